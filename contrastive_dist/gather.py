@@ -1,0 +1,272 @@
+"""Differentiable, variable-size all-gather: the engine every loss stands on.
+
+Forward: every rank receives the rows of every rank, concatenated in rank order. Ranks may
+hold different numbers of rows, including none.
+
+Backward: **reduce-scatter with SUM**. Rank ``r`` receives ``Σ_k ∂L_k/∂x_r``: the gradient
+that *every* rank's loss sends to rank ``r``'s rows. This is what a loss computed on local
+rows against gathered columns needs (see the gradient contract in the README); returning only
+the local slice of the incoming gradient, as many hand-written ``GatherLayer``s do, drops the
+part contributed by the other ranks' losses.
+
+One collective moves the data each way, with no padding on the wire. Before it, one small
+exchange shares sizes, dtype and trailing shape, so that a mismatch raises the same clear
+error on every rank instead of hanging or aborting the transport. Pass ``sizes=`` to skip it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from contrastive_dist._agreement import Problem, agree_on_sizes, local_problem, raise_disagreement
+from contrastive_dist._dist import get_rank, get_world_size, start_offset
+from contrastive_dist._wire import gather_rows, gather_rows_with_status, reduce_scatter_rows
+
+__all__ = ["Gathered", "GatheredMany", "all_gather", "all_gather_many"]
+
+
+class Gathered(NamedTuple):
+    """Result of :func:`all_gather`.
+
+    Attributes:
+        tensor: the rows of every rank, concatenated along ``dim`` in rank order.
+        sizes: rows contributed by each rank, one Python int per rank.
+        rank: this process's rank in the group.
+    """
+
+    tensor: Tensor
+    sizes: tuple[int, ...]
+    rank: int
+
+    @property
+    def offset(self) -> int:
+        """Index of this rank's first row in :attr:`tensor`."""
+        return start_offset(self.sizes, self.rank)
+
+    @property
+    def local_size(self) -> int:
+        """Number of rows this rank contributed."""
+        return self.sizes[self.rank]
+
+
+class GatheredMany(NamedTuple):
+    """Result of :func:`all_gather_many`: like :class:`Gathered`, for several tensors at once."""
+
+    tensors: tuple[Tensor, ...]
+    sizes: tuple[int, ...]
+    rank: int
+
+    @property
+    def offset(self) -> int:
+        """Index of this rank's first row in each of :attr:`tensors`."""
+        return start_offset(self.sizes, self.rank)
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather along dim 0 whose backward is the matching reduce-scatter (SUM)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: Tensor,
+        sizes: tuple[int, ...],
+        rank: int,
+        group: ProcessGroup | None,
+        status: list[int] | None,
+    ) -> Tensor:
+        ctx.sizes, ctx.rank, ctx.group = sizes, rank, group
+        if status is None:
+            return gather_rows(x, sizes, rank, group)
+        # Caller-given sizes: the row count is verified on the same collective; the failed
+        # ranks are reported through ``status`` so the caller can raise on every rank.
+        gathered, failed = gather_rows_with_status(x, sizes, rank, group, ok=not status)
+        status[:] = failed
+        return gathered
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        return reduce_scatter_rows(grad, ctx.sizes, ctx.rank, ctx.group), None, None, None, None
+
+
+def all_gather(
+    x: Tensor,
+    dim: int = 0,
+    *,
+    group: ProcessGroup | None = None,
+    sizes: Sequence[int] | None = None,
+) -> Gathered:
+    """Gather ``x`` from every rank along ``dim``; sizes along ``dim`` may differ, even be 0.
+
+    Args:
+        x: this rank's tensor. Every dimension except ``dim``, and the dtype, must match across ranks.
+        dim: the dimension to gather along (negative values count from the end).
+        group: the process group (default: the world).
+        sizes: every rank's size along ``dim``, the same sequence on every rank, if already
+            known (e.g. from :class:`DistributedBatchSampler`). Skips the size exchange, so one
+            collective runs per call; a rank whose tensor does not match still makes every rank
+            raise. Required under ``torch.compile``.
+
+    Returns:
+        :class:`Gathered` ``(tensor, sizes, rank)``. Without an initialised process group, or
+        with one rank, ``tensor`` is ``x`` itself and ``sizes == (x.shape[dim],)``.
+
+    Raises:
+        ValueError / TypeError: on every rank, when the ranks' inputs do not agree or are invalid.
+
+    Shape:
+        x: ``(..., n_r, ...)`` → tensor: ``(..., Σ_r n_r, ...)`` with ``n_r`` at position ``dim``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_dist import all_gather
+        >>> x = torch.randn(3, 8, requires_grad=True)
+        >>> gathered = all_gather(x)  # one process: the identity
+        >>> gathered.tensor.shape, gathered.sizes, gathered.offset
+        (torch.Size([3, 8]), (3,), 0)
+        >>> gathered.tensor.sum().backward()
+    """
+    many = all_gather_many((x,), dim, group=group, sizes=sizes)
+    return Gathered(many.tensors[0], many.sizes, many.rank)
+
+
+def all_gather_many(
+    tensors: Sequence[Tensor],
+    dim: int = 0,
+    *,
+    group: ProcessGroup | None = None,
+    sizes: Sequence[int] | None = None,
+) -> GatheredMany:
+    """Gather several tensors with the same size along ``dim`` in one collective.
+
+    Tensors of the same dtype are packed into one buffer, so gathering image and text
+    features together costs one collective instead of two. Arguments and results are those
+    of :func:`all_gather`, with ``tensors`` a sequence.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_dist import all_gather_many
+        >>> image, text = torch.randn(4, 8), torch.randn(4, 8)
+        >>> gathered = all_gather_many((image, text))
+        >>> [t.shape for t in gathered.tensors], gathered.sizes
+        ([torch.Size([4, 8]), torch.Size([4, 8])], (4,))
+    """
+    if isinstance(tensors, Tensor):
+        raise TypeError("all_gather_many expects a sequence of tensors; use all_gather for one tensor")
+    tensors = tuple(tensors)
+    world_size, rank = get_world_size(group), get_rank(group)
+    problem = local_problem(tensors, dim)
+    if problem is None and sizes is not None:
+        problem = _sizes_problem(sizes, world_size)
+    if world_size == 1 or torch.compiler.is_compiling():
+        if problem is not None:
+            raise problem[0](f"all_gather: {problem[1]}")
+        if world_size == 1:
+            local = tensors[0].shape[dim]
+            if sizes is not None and tuple(sizes) != (local,):
+                raise ValueError(f"all_gather: sizes={tuple(sizes)} but the input has {local} rows along dim={dim}")
+            return GatheredMany(tensors, (local,), rank)
+        if sizes is None:
+            raise ValueError("all_gather under torch.compile needs sizes= (the size exchange is data-dependent)")
+        return _gather_compiled(tensors, dim, tuple(sizes), rank, group)
+
+    if sizes is None:
+        known_sizes = agree_on_sizes(tensors, dim, problem, group, world_size)
+        return GatheredMany(_gather_eager(tensors, dim, known_sizes, rank, group, None), known_sizes, rank)
+
+    known_sizes = tuple(sizes)
+    if problem is not None:
+        # This rank cannot build a buffer of the promised shape; the others will time out
+        # in their collective. (Validate inputs before promising sizes.)
+        raise problem[0](f"all_gather: {problem[1]}")
+    local = tensors[0].shape[dim]
+    status = [] if local == known_sizes[rank] else [rank]
+    if status:
+        problem = (ValueError, f"sizes[{rank}]={known_sizes[rank]} was given, but the input has {local} rows along dim={dim}")
+    gathered = _gather_eager(tensors, dim, known_sizes, rank, group, status)
+    if status:
+        raise_disagreement(tensors, dim, problem, group, world_size)
+    return GatheredMany(gathered, known_sizes, rank)
+
+
+def _sizes_problem(sizes: Sequence[int], world_size: int) -> Problem | None:
+    if isinstance(sizes, Tensor) or not all(isinstance(size, int) and size >= 0 for size in sizes):
+        return TypeError, f"sizes must be a sequence of non-negative Python ints, got {sizes!r}"
+    if len(sizes) != world_size:
+        return ValueError, f"sizes must have one entry per rank ({world_size}), got {len(sizes)}: {tuple(sizes)}"
+    return None
+
+
+def _gather_eager(
+    tensors: tuple[Tensor, ...],
+    dim: int,
+    sizes: tuple[int, ...],
+    rank: int,
+    group: ProcessGroup | None,
+    status: list[int] | None,
+) -> tuple[Tensor, ...]:
+    """One collective per dtype; ``status`` (caller-given sizes only) collects failed ranks."""
+    rows = [tensor.movedim(dim, 0) for tensor in tensors]
+    results: list[Tensor] = list(rows)
+    for indices in _indices_by_dtype(rows):
+        members = [rows[i] for i in indices]
+        packed = _pack(members)
+        gathered = _GatherRows.apply(packed, sizes, rank, group, status)
+        if status:
+            return tuple(results)  # failed: the caller raises on every rank
+        for index, piece in zip(indices, _unpack(gathered, members)):
+            results[index] = piece.movedim(0, dim)
+    return tuple(results)
+
+
+def _indices_by_dtype(rows: list[Tensor]) -> list[list[int]]:
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index, row in enumerate(rows):
+        by_dtype.setdefault(row.dtype, []).append(index)
+    return list(by_dtype.values())
+
+
+def _pack(members: list[Tensor]) -> Tensor:
+    """One ``(n, Σ row_numel)`` buffer for tensors of one dtype (the tensor itself if alone)."""
+    if len(members) == 1:
+        return members[0]
+    return torch.cat([member.reshape(member.shape[0], -1) for member in members], dim=1)
+
+
+def _unpack(gathered: Tensor, members: list[Tensor]) -> list[Tensor]:
+    """Inverse of :func:`_pack` on the gathered rows (views, no copy)."""
+    if len(members) == 1:
+        return [gathered]
+    widths = [math.prod(member.shape[1:]) for member in members]
+    return [
+        column_block.reshape(gathered.shape[0], *member.shape[1:])
+        for column_block, member in zip(gathered.split(widths, dim=1), members)
+    ]
+
+
+def _gather_compiled(
+    tensors: tuple[Tensor, ...], dim: int, sizes: tuple[int, ...], rank: int, group: ProcessGroup | None
+) -> GatheredMany:
+    """Traceable route for ``torch.compile``: functional collectives with their own autograd."""
+    import torch.distributed._functional_collectives as funcol
+
+    world_size = len(sizes)
+    process_group = group if group is not None else torch.distributed.group.WORLD
+    results = []
+    for tensor in tensors:
+        rows = tensor.movedim(dim, 0).contiguous()
+        if min(sizes) == max(sizes):
+            gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+            gathered = gather(rows, 0, process_group)
+        else:
+            send = rows.repeat(world_size, *([1] * (rows.ndim - 1)))
+            gathered = funcol.all_to_all_single_autograd(
+                send, list(sizes), [sizes[rank]] * world_size, process_group
+            )
+        results.append(gathered.movedim(0, dim))
+    return GatheredMany(tuple(results), sizes, rank)

@@ -1,0 +1,266 @@
+"""Run a function on several local processes that share an initialised process group.
+
+Used by this package's test suite and meant for users' own tests of distributed code:
+
+* :func:`run_distributed` spawns ``world_size`` processes, runs ``fn(rank, world_size, *args)``
+  on each and returns the results in rank order;
+* :class:`WorkerPool` keeps the processes (and their process group) alive between calls,
+  because spawning a process that imports torch costs seconds.
+
+The group is initialised through a ``FileStore`` in a private temporary directory, so
+concurrent runs never race for a TCP port. Every call is bounded by ``timeout``: a hung
+collective ends in :class:`TimeoutError` and the processes are killed. An exception in a
+child is raised again in the parent with the same type and the child's traceback attached.
+
+Functions and arguments cross a process boundary: they must be picklable, i.e. defined at
+module level in an importable module (not in ``__main__`` of an interactive session).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.context import SpawnProcess
+from typing import Any
+
+__all__ = ["RemoteError", "WorkerPool", "run_distributed"]
+
+_STOP = "stop"
+_READY = b"ready"
+
+
+class RemoteError(RuntimeError):
+    """An exception raised in a worker whose type could not be sent back as it was."""
+
+
+def _worker_main(
+    rank: int,
+    world_size: int,
+    backend: str,
+    store_path: str,
+    timeout_s: float,
+    threads: int,
+    tasks: Any,
+    results: Any,
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    results.put((rank, _READY))
+    try:
+        while True:
+            task = tasks.get()
+            if task == _STOP:
+                break
+            fn, args = pickle.loads(task)
+            try:
+                outcome: tuple[bool, Any] = (True, fn(rank, world_size, *args))
+            except BaseException as error:  # noqa: BLE001 - everything goes back to the parent
+                text = traceback.format_exc()
+                try:
+                    pickle.dumps(error)
+                    outcome = (False, (error, text))
+                except Exception:  # noqa: BLE001 - unpicklable exception: send its text only
+                    outcome = (False, (RemoteError(f"{type(error).__name__}: {error}"), text))
+            try:
+                results.put((rank, pickle.dumps(outcome)))
+            except Exception as error:  # noqa: BLE001 - e.g. an unpicklable return value
+                failure = (False, (RemoteError(f"result of rank {rank} is not picklable: {error}"), ""))
+                results.put((rank, pickle.dumps(failure)))
+    finally:
+        dist.destroy_process_group()
+
+
+class WorkerPool:
+    """``world_size`` spawned processes with an initialised process group, reused across calls.
+
+    Args:
+        world_size: number of processes (ranks).
+        backend: ``torch.distributed`` backend, ``"gloo"`` for CPU tensors.
+        timeout: seconds a single :meth:`run` may take; also the collectives' timeout.
+        startup_timeout: seconds the workers may take to start and join the group.
+        threads_per_process: torch intra-op threads per worker (default: cores / world_size).
+
+    Example:
+        >>> from contrastive_dist.testing import WorkerPool
+        >>> from contrastive_dist._dist import get_rank
+        >>> def rank_of(rank, world_size):  # doctest: +SKIP
+        ...     return get_rank()
+        >>> with WorkerPool(2) as pool:  # doctest: +SKIP
+        ...     pool.run(rank_of)
+        [0, 1]
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        backend: str = "gloo",
+        timeout: float = 60.0,
+        threads_per_process: int | None = None,
+        startup_timeout: float = 180.0,
+    ) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self.world_size = world_size
+        self.timeout = timeout
+        threads = threads_per_process or max(1, (os.cpu_count() or 1) // world_size)
+        context = mp.get_context("spawn")
+        self._store_dir = tempfile.mkdtemp(prefix="contrastive_dist_")
+        store_path = os.path.join(self._store_dir, "store")
+        self._results = context.Queue()
+        self._tasks = [context.Queue() for _ in range(world_size)]
+        self._processes: list[SpawnProcess] = [
+            context.Process(
+                target=_worker_main,
+                args=(rank, world_size, backend, store_path, timeout, threads, self._tasks[rank], self._results),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for process in self._processes:
+            process.start()
+        self._broken = False
+        self._startup_timeout = startup_timeout
+        self._ready: set[int] = set()
+
+    @property
+    def alive(self) -> bool:
+        """Whether every worker is running and no call has timed out or lost a worker."""
+        return not self._broken and all(process.is_alive() for process in self._processes)
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Run ``fn(rank, world_size, *args)`` on every worker; return the results in rank order.
+
+        Args:
+            fn: a picklable function.
+            *args: picklable arguments, the same for every rank.
+            timeout: seconds for this call (default: the pool's timeout).
+            return_exceptions: put each failed rank's exception in the list instead of
+                raising the first one (lowest rank).
+
+        Raises:
+            TimeoutError: not every rank answered in time; the pool is closed.
+            Exception: the exception of the lowest failed rank, with its traceback as a note.
+        """
+        if not self.alive:
+            raise RuntimeError("this WorkerPool is closed or lost a worker; create a new one")
+        self._wait_until_ready()
+        payload = pickle.dumps((fn, args))
+        for task_queue in self._tasks:
+            task_queue.put(payload)
+        deadline = timeout if timeout is not None else self.timeout
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        clock_end = time.monotonic() + deadline
+        while len(outcomes) < self.world_size:
+            remaining = clock_end - time.monotonic()
+            dead = [rank for rank, p in enumerate(self._processes) if not p.is_alive() and rank not in outcomes]
+            if remaining <= 0 or dead:
+                self._broken = True
+                self.close()
+                missing = sorted(set(range(self.world_size)) - set(outcomes))
+                reported = _describe_failures(outcomes)
+                if dead:
+                    raise RuntimeError(f"worker process(es) of rank {dead} died (no result from ranks {missing}){reported}")
+                raise TimeoutError(f"ranks {missing} gave no result within {deadline:.0f} s (hang?){reported}")
+            try:
+                rank, blob = self._results.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                continue
+            outcomes[rank] = pickle.loads(blob)
+        results: list[Any] = []
+        for rank in range(self.world_size):
+            ok, value = outcomes[rank]
+            if ok:
+                results.append(value)
+                continue
+            error, text = value
+            if text:
+                error.add_note(f"--- raised on rank {rank} of {self.world_size} ---\n{text}")
+            if not return_exceptions:
+                raise error
+            results.append(error)
+        return results
+
+    def _wait_until_ready(self) -> None:
+        clock_end = time.monotonic() + self._startup_timeout
+        while len(self._ready) < self.world_size:
+            if time.monotonic() > clock_end or not all(p.is_alive() for p in self._processes):
+                self._broken = True
+                self.close()
+                missing = sorted(set(range(self.world_size)) - self._ready)
+                raise RuntimeError(f"ranks {missing} did not start within {self._startup_timeout:.0f} s")
+            try:
+                rank, message = self._results.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if message == _READY:
+                self._ready.add(rank)
+
+    def close(self) -> None:
+        """Stop the workers (politely, then by force) and remove the store directory."""
+        for task_queue, process in zip(self._tasks, self._processes):
+            if process.is_alive() and not self._broken:
+                task_queue.put(_STOP)
+        for process in self._processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+        shutil.rmtree(self._store_dir, ignore_errors=True)
+        self._broken = True
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _describe_failures(outcomes: dict[int, tuple[bool, Any]]) -> str:
+    """The errors that did come back before a hang: usually the cause of it."""
+    lines = [
+        f"\n--- rank {rank} raised ---\n{value[1]}" for rank, (ok, value) in sorted(outcomes.items()) if not ok
+    ]
+    return "".join(lines)
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 60.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; results in rank order.
+
+    A one-shot :class:`WorkerPool`: the processes are started, used once and stopped.
+    The whole call, start-up included, is bounded by about ``timeout`` seconds plus start-up.
+    """
+    with WorkerPool(world_size, backend=backend, timeout=timeout) as pool:
+        return pool.run(fn, *args)
