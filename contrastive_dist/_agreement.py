@@ -112,7 +112,7 @@ def raise_disagreement(
     world_size: int,
 ) -> None:
     """Every rank calls this together: share readable descriptions, raise the same error."""
-    mine = (problem[0].__name__ if problem else "", problem[1] if problem else describe(tensors))
+    mine = (problem[0].__name__ if problem else "", problem[1] if problem else f"{describe(tensors)}, dim={dim}")
     everyone: list[tuple[str, str] | None] = [None] * world_size
     dist.all_gather_object(everyone, mine, group=group)
     lines = []
@@ -123,6 +123,7 @@ def raise_disagreement(
             kind = TypeError
         lines.append(f"  rank {rank}: {'ERROR ' if error_name else ''}{text}")
     raise kind(
-        f"all_gather: the ranks' inputs do not agree (every dimension except dim={dim}, and the "
-        "dtype, must match on all ranks; each rank must pass a tensor):\n" + "\n".join(lines)
+        "all_gather: the ranks' inputs do not agree (each rank must pass a tensor; the dtype and every "
+        "dimension except the gathered one must match on all ranks, and so must any given sizes):\n"
+        + "\n".join(lines)
     )

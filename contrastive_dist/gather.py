@@ -235,7 +235,7 @@ def _pack(members: list[Tensor]) -> Tensor:
     """One ``(n, Σ row_numel)`` buffer for tensors of one dtype (the tensor itself if alone)."""
     if len(members) == 1:
         return members[0]
-    return torch.cat([member.reshape(member.shape[0], -1) for member in members], dim=1)
+    return torch.cat([member.reshape(member.shape[0], math.prod(member.shape[1:])) for member in members], dim=1)
 
 
 def _unpack(gathered: Tensor, members: list[Tensor]) -> list[Tensor]:

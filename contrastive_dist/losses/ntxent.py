@@ -1,0 +1,120 @@
+"""SimCLR's NT-Xent loss over the global batch of every rank (Chen et al., 2020)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from contrastive_dist._dist import get_world_size
+from contrastive_dist.gather import all_gather_many
+from contrastive_dist.losses._checks import check_chunk_size, check_pair, check_temperature
+from contrastive_dist.losses._chunked import contract_factor, local_cross_entropy_sum
+
+__all__ = ["NTXentLoss", "nt_xent"]
+
+
+def nt_xent(
+    z1: Tensor,
+    z2: Tensor,
+    *,
+    temperature: float = 0.5,
+    chunk_size: int | None = None,
+    group: ProcessGroup | None = None,
+    sizes: Sequence[int] | None = None,
+) -> Tensor:
+    """NT-Xent of this rank's views against both views of the whole global batch.
+
+    The global batch holds ``2N`` embeddings (``N`` samples, two views each, L2-normalised
+    here). Each embedding is an anchor whose positive is the other view of its sample and
+    whose negatives are the other ``2N − 2`` embeddings (its own similarity is masked out).
+    The global loss is the mean over all ``2N`` anchors of the cross-entropy of cosine
+    similarity / ``temperature``.
+
+    Each rank uses its ``2 n_r`` local anchors against the gathered ``2N`` columns and returns
+    ``(W / 2N) · Σ_local ℓ``: the mean over ranks is the single-process loss, and DDP's gradient
+    averaging gives its exact gradient, for any per-rank batch sizes (including 0).
+
+    Args:
+        z1: first view's embeddings of this rank's samples.
+        z2: second view's embeddings, row ``i`` the same sample as ``z1[i]``.
+        temperature: divides the cosine similarities; > 0.
+        chunk_size: anchors per block (at most ``chunk_size × 2N`` logits at once); same result.
+        group: the process group (default: the world).
+        sizes: every rank's batch size, if known (skips the size exchange).
+
+    Returns:
+        A scalar tensor: this rank's share of the global loss (0 for an empty global batch).
+
+    Shape:
+        z1, z2: ``(n_r, D)``; output: ``()``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_dist import nt_xent
+        >>> z1, z2 = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16)
+        >>> loss = nt_xent(z1, z2, temperature=0.5)
+        >>> loss.backward()
+        >>> z1.grad.shape
+        torch.Size([4, 16])
+
+    """
+    z1, z2 = check_pair("z1", z1, "z2", z2)
+    scale = torch.tensor(1.0 / check_temperature(temperature), dtype=z1.dtype, device=z1.device)
+    chunk_size = check_chunk_size(chunk_size)
+    z1, z2 = F.normalize(z1, dim=-1), F.normalize(z2, dim=-1)
+    gathered = all_gather_many((z1, z2), group=group, sizes=sizes)
+    total = sum(gathered.sizes)
+    # Columns: every rank's first views, then every rank's second views (the single-process
+    # order cat(z1, z2) when W = 1). Local anchor i of view 1 is column offset + i.
+    keys = torch.cat(gathered.tensors)
+    own_columns = torch.arange(gathered.offset, gathered.offset + z1.shape[0], device=z1.device)
+    loss_sum = local_cross_entropy_sum(
+        torch.cat((z1, z2)),
+        keys,
+        scale,
+        torch.cat((z2, z1)),
+        excluded=torch.cat((own_columns, own_columns + total)),
+        chunk_size=chunk_size,
+    )
+    return loss_sum * contract_factor(2 * total, get_world_size(group))
+
+
+class NTXentLoss(nn.Module):
+    """SimCLR's NT-Xent loss over the global batch; holds the options of :func:`nt_xent`.
+
+    Args:
+        temperature: divides the cosine similarities; > 0.
+        chunk_size: anchors per block (bounded memory, same result); ``None``: all at once.
+        group: the process group (default: the world).
+
+    Shape:
+        z1, z2: ``(n_r, D)``; output: ``()``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_dist import NTXentLoss
+        >>> criterion = NTXentLoss(temperature=0.5)
+        >>> z1, z2 = torch.randn(6, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
+        >>> criterion(z1, z2).backward()
+
+    """
+
+    def __init__(
+        self, *, temperature: float = 0.5, chunk_size: int | None = None, group: ProcessGroup | None = None
+    ) -> None:
+        super().__init__()
+        self.temperature = check_temperature(temperature)
+        self.chunk_size = check_chunk_size(chunk_size)
+        self.group = group
+
+    def forward(self, z1: Tensor, z2: Tensor, *, sizes: Sequence[int] | None = None) -> Tensor:
+        """Return this rank's share of the loss; see :func:`nt_xent`."""
+        return nt_xent(z1, z2, temperature=self.temperature, chunk_size=self.chunk_size, group=self.group, sizes=sizes)
+
+    def extra_repr(self) -> str:
+        """Show the options in ``repr``."""
+        return f"temperature={self.temperature}, chunk_size={self.chunk_size}"

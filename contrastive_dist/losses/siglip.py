@@ -1,0 +1,184 @@
+"""SigLIP's pairwise sigmoid loss over the global batch of every rank (Zhai et al., 2023)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from contrastive_dist._dist import get_world_size
+from contrastive_dist.gather import all_gather
+from contrastive_dist.losses._checks import check_chunk_size, check_pair, scalar_tensor
+from contrastive_dist.losses._chunked import contract_factor
+
+__all__ = ["SigLIPLoss", "siglip"]
+
+
+def siglip(
+    image_features: Tensor,
+    text_features: Tensor,
+    logit_scale: Tensor | float,
+    logit_bias: Tensor | float,
+    *,
+    chunk_size: int | None = None,
+    group: ProcessGroup | None = None,
+    sizes: Sequence[int] | None = None,
+) -> Tensor:
+    """Sigmoid loss of this rank's images against every rank's texts; exact under data parallelism.
+
+    The global loss is ``−(1/N) Σ_{i,j} log σ(z_ij · (logit_scale · x_i·y_j + logit_bias))``
+    over all ``N × N`` image–text pairs of the global batch, with ``z_ij = +1`` for matching
+    pairs (``i = j``) and ``−1`` otherwise. Every pair is one independent binary term, so only
+    the texts are gathered: each rank sums its local image rows against all ``N`` texts and
+    returns ``(W / N) ·`` that sum. The mean over ranks is the single-process loss; DDP's
+    gradient averaging gives its gradient, for any per-rank batch sizes (including 0).
+
+    Features are used as given (normalise them in the model). With ``chunk_size``, rows are
+    processed ``chunk_size`` at a time against all texts and their gradients formed on the
+    spot, so at most ``chunk_size × N`` logits exist at once, at no extra matrix product.
+
+    Args:
+        image_features: this rank's image embeddings.
+        text_features: this rank's text embeddings, row ``i`` paired with image row ``i``.
+        logit_scale: similarity multiplier, already exponentiated (learnable, like SigLIP's ``t``).
+        logit_bias: added to every logit (learnable ``b``; SigLIP initialises it at −10).
+        chunk_size: image rows per block; same value and gradients.
+        group: the process group (default: the world).
+        sizes: every rank's batch size, if known (skips the size exchange).
+
+    Returns:
+        A scalar tensor: this rank's share of the global loss (0 for an empty global batch).
+
+    Shape:
+        image_features, text_features: ``(n_r, D)``; logit_scale, logit_bias: ``()``; output: ``()``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_dist import siglip
+        >>> images, texts = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+        >>> scale, bias = torch.tensor(10.0, requires_grad=True), torch.tensor(-10.0, requires_grad=True)
+        >>> siglip(images, texts, scale, bias, chunk_size=3).backward()
+        >>> bias.grad.shape
+        torch.Size([])
+
+    """
+    image_features, text_features = check_pair("image_features", image_features, "text_features", text_features)
+    scale = scalar_tensor("logit_scale", logit_scale, image_features)
+    bias = scalar_tensor("logit_bias", logit_bias, image_features)
+    chunk_size = check_chunk_size(chunk_size)
+    gathered = all_gather(text_features, group=group, sizes=sizes)
+    factor = contract_factor(sum(gathered.sizes), get_world_size(group))
+    if chunk_size is None:
+        logits = (image_features * scale) @ gathered.tensor.T + bias
+        rows = torch.arange(image_features.shape[0], device=logits.device)
+        signs = -torch.ones_like(logits)
+        signs[rows, rows + gathered.offset] = 1.0
+        return F.softplus(-signs * logits).sum() * factor
+    want_gradients = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (image_features, gathered.tensor, scale, bias)
+    )
+    total = _SigmoidPairsSum.apply(
+        image_features, gathered.tensor, scale, bias, gathered.offset, chunk_size, want_gradients
+    )
+    return total * factor
+
+
+class _SigmoidPairsSum(torch.autograd.Function):
+    """``Σ_ij softplus(−z_ij · (s·x_i·y_j + b))`` in row blocks; gradients formed in forward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        images: Tensor,
+        texts: Tensor,
+        scale: Tensor,
+        bias: Tensor,
+        offset: int,
+        chunk_size: int,
+        want_gradients: bool,
+    ) -> Tensor:
+        total = images.new_zeros(())
+        image_grad = torch.empty_like(images) if want_gradients else None
+        text_grad = torch.zeros_like(texts) if want_gradients else None
+        scale_grad, bias_grad = images.new_zeros(()), images.new_zeros(())
+        for start in range(0, images.shape[0], chunk_size):
+            stop = min(start + chunk_size, images.shape[0])
+            scaled_images = images[start:stop] * scale
+            margins = torch.addmm(bias.expand(1, 1), scaled_images, texts.T)  # becomes −z · logit
+            rows = torch.arange(stop - start, device=images.device)
+            matches = (rows, rows + offset + start)
+            margins[matches] = -margins[matches]
+            total += F.softplus(margins).sum()
+            if image_grad is None or text_grad is None:
+                continue
+            # d softplus(−z·l)/dl = −z·σ(−z·l): σ(margin) off the diagonal, −σ(margin) on it.
+            logit_grad = margins.sigmoid_()
+            logit_grad[matches] = -logit_grad[matches]
+            weighted_texts = logit_grad @ texts
+            image_grad[start:stop] = weighted_texts * scale
+            text_grad.addmm_(logit_grad.T, scaled_images)
+            scale_grad += (images[start:stop] * weighted_texts).sum()
+            bias_grad += logit_grad.sum()
+        ctx.save_for_backward(image_grad, text_grad, scale_grad, bias_grad)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        image_grad, text_grad, scale_grad, bias_grad = ctx.saved_tensors
+        if image_grad is None:
+            raise RuntimeError("siglip: gradients were not formed in forward (it ran without grad mode)")
+        grads = (image_grad, text_grad, scale_grad, bias_grad)
+        return (*(grad * grad_output for grad in grads), None, None, None)
+
+
+class SigLIPLoss(nn.Module):
+    """SigLIP's sigmoid loss over the global batch; holds the options of :func:`siglip`.
+
+    Args:
+        chunk_size: image rows per block (bounded memory, same result); ``None``: all at once.
+        group: the process group (default: the world).
+
+    Shape:
+        image_features, text_features: ``(n_r, D)``; logit_scale, logit_bias: ``()``; output: ``()``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_dist import SigLIPLoss
+        >>> criterion = SigLIPLoss()
+        >>> images, texts = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+        >>> criterion(images, texts, torch.tensor(10.0), torch.tensor(-10.0)).backward()
+
+    """
+
+    def __init__(self, *, chunk_size: int | None = None, group: ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.chunk_size = check_chunk_size(chunk_size)
+        self.group = group
+
+    def forward(
+        self,
+        image_features: Tensor,
+        text_features: Tensor,
+        logit_scale: Tensor | float,
+        logit_bias: Tensor | float,
+        *,
+        sizes: Sequence[int] | None = None,
+    ) -> Tensor:
+        """Return this rank's share of the loss; see :func:`siglip`."""
+        return siglip(
+            image_features,
+            text_features,
+            logit_scale,
+            logit_bias,
+            chunk_size=self.chunk_size,
+            group=self.group,
+            sizes=sizes,
+        )
+
+    def extra_repr(self) -> str:
+        """Show the options in ``repr``."""
+        return f"chunk_size={self.chunk_size}"

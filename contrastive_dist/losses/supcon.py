@@ -1,0 +1,147 @@
+"""Supervised contrastive loss over the global batch of every rank (Khosla et al., 2020)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from contrastive_dist._dist import get_world_size
+from contrastive_dist.gather import all_gather_many
+from contrastive_dist.losses._checks import check_chunk_size, check_features, check_temperature
+from contrastive_dist.losses._chunked import local_cross_entropy_sum
+
+__all__ = ["SupConLoss", "supcon"]
+
+
+def supcon(
+    features: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float = 0.1,
+    chunk_size: int | None = None,
+    group: ProcessGroup | None = None,
+    sizes: Sequence[int] | None = None,
+) -> Tensor:
+    """SupCon (``L_out``, all views as anchors) over the global batch; exact under data parallelism.
+
+    Every embedding of the global batch (``N`` samples × ``V`` views) is an anchor ``a``. Its
+    positives ``P(a)`` are the other embeddings with the same label (other views of the same
+    sample included), its candidates every embedding but itself::
+
+        ℓ_a = logsumexp_{j ≠ a}(f_a·f_j / τ) − (1/|P(a)|) Σ_{p ∈ P(a)} f_a·f_p / τ
+
+    **Normalisation.** Anchors without positives (a label seen once, single view) contribute
+    nothing; the loss is the mean of ``ℓ_a`` over the ``A`` anchors of the global batch that
+    have positives, and 0 (still in the graph) when ``A = 0`` — never NaN. ``A`` comes from the
+    gathered labels, so each rank returns ``(W / A) · Σ_{its anchors with positives} ℓ_a`` and
+    the mean over ranks is the single-process loss, for any per-rank batch sizes (including 0).
+
+    Features are used as given: L2-normalise them in the model, as in the paper. Labels are
+    gathered with the features (no gradient); the positive sums use per-class sums of the
+    gathered embeddings, so no ``N × N`` mask is built.
+
+    Args:
+        features: this rank's embeddings, one view ``(n_r, D)`` or several ``(n_r, V, D)``.
+        labels: integer class of each sample (shared by its views).
+        temperature: divides the similarities; > 0.
+        chunk_size: anchors per block (at most ``chunk_size × N·V`` logits at once); same result.
+        group: the process group (default: the world).
+        sizes: every rank's batch size ``n_r``, if known (skips the size exchange).
+
+    Returns:
+        A scalar tensor: this rank's share of the global loss.
+
+    Shape:
+        features: ``(n_r, D)`` or ``(n_r, V, D)``; labels: ``(n_r,)``; output: ``()``.
+
+    Example:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from contrastive_dist import supcon
+        >>> features = F.normalize(torch.randn(6, 2, 8), dim=-1).requires_grad_()
+        >>> labels = torch.tensor([0, 1, 0, 2, 1, 3])
+        >>> supcon(features, labels, temperature=0.1).backward()
+        >>> features.grad.shape
+        torch.Size([6, 2, 8])
+
+    """
+    features = check_features("features", features, ndims=(2, 3))
+    _check_labels(labels, features.shape[0])
+    scale = torch.tensor(1.0 / check_temperature(temperature), dtype=features.dtype, device=features.device)
+    chunk_size = check_chunk_size(chunk_size)
+    gathered = all_gather_many((features, labels), group=group, sizes=sizes)
+    all_features, all_labels = gathered.tensors
+    views = 1 if features.ndim == 2 else features.shape[1]
+    dim = features.shape[-1]
+    # One row per embedding, sample-major: the embedding (sample s, view v) is row s·V + v.
+    keys = all_features.reshape(-1, dim)
+    queries = features.reshape(-1, dim)
+    classes, key_class = torch.unique(all_labels.repeat_interleave(views), return_inverse=True)
+    class_counts = torch.bincount(key_class, minlength=classes.numel())
+    positives_per_key = class_counts[key_class] - 1
+    anchors_with_positives = (positives_per_key > 0).sum()
+
+    first_local_key = gathered.offset * views
+    local_positives = positives_per_key[first_local_key : first_local_key + queries.shape[0]]
+    anchor_rows = torch.nonzero(local_positives > 0).flatten()
+    anchor_keys = anchor_rows + first_local_key
+    class_sums = keys.new_zeros(classes.numel(), dim).index_add(0, key_class, keys)
+    # Σ_{p ∈ P(a)} f_p = (sum of the anchor's class) − f_a; dividing by |P(a)| makes it a mean.
+    positive_means = (class_sums[key_class[anchor_keys]] - keys[anchor_keys]) / local_positives[anchor_rows, None]
+    loss_sum = local_cross_entropy_sum(
+        queries[anchor_rows], keys, scale, positive_means, excluded=anchor_keys, chunk_size=chunk_size
+    )
+    # W / A as a tensor (no host sync); A = 0 means no rank has an anchor and loss_sum is 0.
+    return loss_sum * (get_world_size(group) / anchors_with_positives.clamp(min=1).to(features.dtype))
+
+
+def _check_labels(labels: object, batch_size: int) -> None:
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.ndim != 1 or labels.shape[0] != batch_size:
+        raise ValueError(f"labels must have shape ({batch_size},) to match features, got {tuple(labels.shape)}")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+
+
+class SupConLoss(nn.Module):
+    """Supervised contrastive loss over the global batch; holds the options of :func:`supcon`.
+
+    Args:
+        temperature: divides the similarities; > 0.
+        chunk_size: anchors per block (bounded memory, same result); ``None``: all at once.
+        group: the process group (default: the world).
+
+    Shape:
+        features: ``(n_r, D)`` or ``(n_r, V, D)``; labels: ``(n_r,)``; output: ``()``.
+
+    Example:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from contrastive_dist import SupConLoss
+        >>> criterion = SupConLoss(temperature=0.1)
+        >>> features = F.normalize(torch.randn(4, 8), dim=-1).requires_grad_()
+        >>> criterion(features, torch.tensor([0, 0, 1, 1])).backward()
+
+    """
+
+    def __init__(
+        self, *, temperature: float = 0.1, chunk_size: int | None = None, group: ProcessGroup | None = None
+    ) -> None:
+        super().__init__()
+        self.temperature = check_temperature(temperature)
+        self.chunk_size = check_chunk_size(chunk_size)
+        self.group = group
+
+    def forward(self, features: Tensor, labels: Tensor, *, sizes: Sequence[int] | None = None) -> Tensor:
+        """Return this rank's share of the loss; see :func:`supcon`."""
+        return supcon(
+            features, labels, temperature=self.temperature, chunk_size=self.chunk_size, group=self.group, sizes=sizes
+        )
+
+    def extra_repr(self) -> str:
+        """Show the options in ``repr``."""
+        return f"temperature={self.temperature}, chunk_size={self.chunk_size}"

@@ -1,0 +1,258 @@
+"""Drop-last-free distributed batch sampler: every sample exactly once per epoch, equal step counts.
+
+``torch.utils.data.DistributedSampler`` either pads the last batch by repeating samples (in a
+contrastive batch a repeated sample is a false negative of itself) or drops them
+(``drop_last=True``). Giving ranks different *numbers* of batches instead deadlocks DDP, whose
+backward waits for every rank. :class:`DistributedBatchSampler` does neither: it draws one global
+permutation per epoch, cuts it into global batches of ``batch_size * num_replicas`` samples and
+splits each global batch across ranks as evenly as possible. Every rank runs the same number of
+steps; only the last step's per-rank sizes differ (some may be 0, which the losses of this
+package and :class:`~contrastive_dist.EmptySafeCollate` handle).
+
+Plain ``DataLoader`` under torchrun / DDP::
+
+    sampler = DistributedBatchSampler(dataset, batch_size=64, seed=0)   # rank and world from the group
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=EmptySafeCollate(dataset), num_workers=4)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)                   # a new order each epoch, the same on every rank
+        for step, (images, texts) in enumerate(loader):
+            sizes = sampler.sizes(step)            # per-rank rows: all_gather(..., sizes=sizes) skips a collective
+            ...
+
+Lightning: build the loader in ``train_dataloader()`` (the process group exists by then) and pass
+``Trainer(strategy="ddp", use_distributed_sampler=False)``. Left at ``True``, Lightning tries to
+rebuild the loader around a ``DistributedSampler`` and raises a ``TypeError`` because this class
+is not a ``torch.utils.data.BatchSampler``. Lightning advances epochs by calling ``set_epoch`` on
+``loader.sampler`` and ``loader.batch_sampler.sampler``; :attr:`DistributedBatchSampler.sampler` is
+the sampler itself, so those calls arrive. The ``training_step`` must return a loss connected to
+the parameters even for a 0-row batch (e.g. ``model(x).sum() * 0``): returning ``None`` makes
+Lightning skip the backward on that rank only, and the other ranks wait for it forever.
+
+Evaluation: ``shuffle=False`` splits a validation set across ranks in natural order with no
+sample repeated or dropped, so sums and counts reduced over ranks give exact metrics.
+
+Resuming mid-epoch: :meth:`~DistributedBatchSampler.state_dict` records the epoch and the number
+of batches this sampler has handed out. With ``num_workers=0`` that is the number of batches the
+loop consumed; worker processes prefetch, so with workers save ``{**state, "step": batches_done}``
+yourself. Lightning restores loader state only when the *loader* has ``state_dict`` and
+``load_state_dict`` (a plain ``DataLoader`` has neither; it then replays the epoch from its start).
+A subclass that forwards both to the batch sampler makes Lightning's mid-epoch checkpoints resume
+without losing or repeating a sample (with ``num_workers=0``)::
+
+    class ResumableDataLoader(DataLoader):
+        def state_dict(self):
+            return self.batch_sampler.state_dict()
+
+        def load_state_dict(self, state):
+            self.batch_sampler.load_state_dict(state)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+from torch.utils.data import Sampler
+
+from contrastive_dist._dist import get_rank, get_world_size, start_offset
+
+__all__ = ["DistributedBatchSampler"]
+
+_LAYOUT_KEYS = ("length", "batch_size", "num_replicas", "shuffle")
+
+
+def _int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+class DistributedBatchSampler(Sampler[list[int]]):
+    """Batches of dataset indices for one rank; every index exactly once per epoch over all ranks.
+
+    Pass it to ``DataLoader(dataset, batch_sampler=sampler)``. The permutation of epoch ``e`` comes
+    from a ``torch.Generator`` seeded with ``seed + e``, so every rank computes the same one without
+    communicating. Step ``s`` takes the global batch ``perm[s*G : (s+1)*G]`` with
+    ``G = batch_size * num_replicas`` and gives rank ``r`` its ``r``-th share; shares differ by at
+    most one sample and the first ranks get the extra ones. A fresh ``iter()`` starts a full epoch,
+    unless :meth:`load_state_dict` was called just before (then it continues the saved epoch).
+
+    Args:
+        data_source_or_length: the dataset (anything with ``len()``) or its length.
+        batch_size: samples per rank per step (a rank gets fewer only in the last step).
+        num_replicas: number of ranks (default: the size of ``group``, 1 without a process group).
+        rank: this rank (default: the rank in ``group``, 0 without a process group).
+        shuffle: a new random order each epoch; ``False`` keeps the natural order (evaluation).
+        seed: base seed of the permutation; must be the same on every rank.
+        group: process group the defaults are read from.
+
+    Shape:
+        - each batch: a list of ``sizes(step)[rank]`` ints, ``0 <= size <= batch_size``.
+
+    Example:
+        >>> sampler = DistributedBatchSampler(10, batch_size=2, num_replicas=3, rank=0, shuffle=False)
+        >>> len(sampler), [sampler.sizes(step) for step in range(len(sampler))]
+        (2, [(2, 2, 2), (2, 1, 1)])
+        >>> list(sampler)
+        [[0, 1], [6, 7]]
+        >>> [list(DistributedBatchSampler(10, 2, num_replicas=3, rank=r, shuffle=False)) for r in (1, 2)]
+        [[[2, 3], [8]], [[4, 5], [9]]]
+        >>> sampler = DistributedBatchSampler(10, batch_size=2, num_replicas=3, rank=0, seed=1)
+        >>> sampler.set_epoch(3)
+        >>> batches = iter(sampler)
+        >>> first = next(batches)
+        >>> state = sampler.state_dict()      # one step done: resume from here
+        >>> state["epoch"], state["step"]
+        (3, 1)
+        >>> resumed = DistributedBatchSampler(10, batch_size=2, num_replicas=3, rank=0)
+        >>> resumed.load_state_dict(state)
+        >>> list(resumed) == list(batches)
+        True
+
+    """
+
+    def __init__(
+        self,
+        data_source_or_length: Sized | int,
+        batch_size: int,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        group: ProcessGroup | None = None,
+    ) -> None:
+        if isinstance(data_source_or_length, int) and not isinstance(data_source_or_length, bool):
+            length = data_source_or_length
+        elif isinstance(data_source_or_length, Sized):
+            length = len(data_source_or_length)
+        else:
+            raise TypeError(
+                "data_source_or_length must be a dataset with len() or an int, "
+                f"got {type(data_source_or_length).__name__}"
+            )
+        if length < 1:
+            raise ValueError(f"the dataset must hold at least one sample, got length {length}")
+        self.length = length
+        self.batch_size = _int("batch_size", batch_size, 1)
+        self.num_replicas = _int("num_replicas", get_world_size(group) if num_replicas is None else num_replicas, 1)
+        self.rank = _int("rank", get_rank(group) if rank is None else rank, 0)
+        if self.rank >= self.num_replicas:
+            raise ValueError(f"rank must be in [0, num_replicas={self.num_replicas}), got {self.rank}")
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"shuffle must be a bool, got {type(shuffle).__name__}")
+        self.shuffle = shuffle
+        self.seed = _int("seed", seed, -(2**63))
+        self.epoch = 0
+        # Batches handed out by the latest iterator. Every fresh iter() resets it, so that a loader
+        # that stopped after len() batches (without exhausting us) still gets a full next epoch.
+        self._step = 0
+        # A step loaded by load_state_dict, consumed by the next iter().
+        self._resume_step: int | None = None
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per step over all ranks (the last step may hold fewer)."""
+        return self.batch_size * self.num_replicas
+
+    @property
+    def sampler(self) -> DistributedBatchSampler:
+        """Return ``self``, because Lightning calls ``loader.batch_sampler.sampler.set_epoch(epoch)``."""
+        return self
+
+    def __len__(self) -> int:
+        return -(-self.length // self.global_batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the permutation of ``epoch`` from the next iteration on (read at its first batch).
+
+        A state loaded by :meth:`load_state_dict` for another epoch is discarded: the caller has
+        moved on. Setting the loaded epoch again keeps it.
+        """
+        _int("epoch", epoch, 0)
+        if epoch != self.epoch:
+            self._resume_step = None
+            self._step = 0
+        self.epoch = epoch
+
+    def sizes(self, step: int) -> tuple[int, ...]:
+        """Return the number of samples each rank gets at ``step``; the same on every rank.
+
+        Pass it as ``all_gather(x, sizes=sampler.sizes(step))`` to skip the size exchange.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < len(self):
+            raise ValueError(f"step must be an int in [0, {len(self)}), got {step!r}")
+        global_size = min(self.global_batch_size, self.length - step * self.global_batch_size)
+        share, extra = divmod(global_size, self.num_replicas)
+        return tuple(share + 1 if rank < extra else share for rank in range(self.num_replicas))
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.length)
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + epoch)
+        return torch.randperm(self.length, generator=generator)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        # The restart is decided here, not in the generator body: DataLoader calls iter() when an
+        # epoch starts, but the body only runs at the first next().
+        start = 0 if self._resume_step is None else self._resume_step
+        self._resume_step = None
+        self._step = start
+        return self._batches(start, self.epoch)
+
+    def _batches(self, start: int, epoch_at_iter: int) -> Iterator[list[int]]:
+        # The epoch is read at the first next(): Lightning calls iter() before set_epoch() when it
+        # resumes a run. A set_epoch() to another epoch in between also drops a resumed step.
+        epoch = self.epoch
+        if epoch != epoch_at_iter:
+            start = 0
+        order = self._permutation(epoch)
+        for step in range(start, len(self)):
+            sizes = self.sizes(step)
+            first = step * self.global_batch_size + start_offset(sizes, self.rank)
+            batch = order[first : first + sizes[self.rank]].tolist()
+            # Counted before the yield: once the caller holds batch `step`, `step + 1` are done.
+            self._step = step + 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the current epoch stands: ``epoch``, ``step`` (batches handed out), ``seed``.
+
+        Also the layout (``length``, ``batch_size``, ``num_replicas``, ``shuffle``), which
+        :meth:`load_state_dict` checks, because resuming with another layout would lose or repeat
+        samples. It holds no rank: ranks in step save the same dict.
+        """
+        step = self._step if self._resume_step is None else self._resume_step
+        return {
+            "epoch": self.epoch,
+            "step": step,
+            "seed": self.seed,
+            "length": self.length,
+            "batch_size": self.batch_size,
+            "num_replicas": self.num_replicas,
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue the saved epoch at the saved step on the next ``iter()``."""
+        missing = [key for key in ("epoch", "step", "seed", *_LAYOUT_KEYS) if key not in state_dict]
+        if missing:
+            raise ValueError(f"state_dict lacks the key(s) {missing}; expected one made by state_dict()")
+        for key in _LAYOUT_KEYS:
+            if state_dict[key] != getattr(self, key):
+                raise ValueError(
+                    f"cannot resume: the saved {key} is {state_dict[key]!r} but this sampler has {getattr(self, key)!r}"
+                )
+        epoch, step, seed = state_dict["epoch"], state_dict["step"], state_dict["seed"]
+        _int("state_dict['epoch']", epoch, 0)
+        _int("state_dict['seed']", seed, -(2**63))
+        if _int("state_dict['step']", step, 0) > len(self):
+            raise ValueError(f"state_dict['step'] must be in [0, {len(self)}], got {step}")
+        self.epoch, self.seed = epoch, seed
+        self._resume_step = step
+        self._step = step

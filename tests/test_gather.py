@@ -1,0 +1,213 @@
+"""The engine: all_gather / all_gather_many on real gloo processes against float64 references."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from contrastive_dist import all_gather, all_gather_many
+
+SHARDS = {
+    1: [[3], [0]],
+    2: [[1, 7], [0, 2], [4, 4]],
+    3: [[5, 0, 3], [0, 0, 2], [2, 2, 2], [1, 1, 1]],
+    4: [[4, 4, 4, 4], [3, 0, 1, 2]],
+}
+
+
+def make_global(total: int, dim: int, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """A (total, 3, 2) batch with its rows moved to ``dim``: every rank builds the same one."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn(total, 3, 2, generator=generator, dtype=torch.float64)
+    return rows.movedim(0, dim).to(dtype)
+
+
+def shard_of(full: torch.Tensor, sizes: list[int], rank: int, dim: int) -> torch.Tensor:
+    return full.narrow(dim, sum(sizes[:rank]), sizes[rank])
+
+
+def mixing_loss(local: torch.Tensor, gathered: torch.Tensor, dim: int, mixer: torch.Tensor) -> torch.Tensor:
+    """Local rows against all gathered rows, like a contrastive loss: the gradient crosses ranks."""
+    local_rows = local.movedim(dim, 0).reshape(local.shape[dim], 6)
+    all_rows = gathered.movedim(dim, 0).reshape(gathered.shape[dim], 6)
+    return torch.tanh(local_rows @ mixer @ all_rows.T).sum() + 0.1 * (all_rows**3).sum()
+
+
+def reference_grad(full: torch.Tensor, sizes: list[int], dim: int, mixer: torch.Tensor) -> torch.Tensor:
+    """Single process: the sum over ranks of each rank's loss, differentiated w.r.t. the full batch."""
+    full = full.detach().clone().requires_grad_(True)
+    total = sum(mixing_loss(shard_of(full, sizes, r, dim), full, dim, mixer) for r in range(len(sizes)))
+    (grad,) = torch.autograd.grad(total, full)
+    return grad
+
+
+def check_values_and_grads(rank: int, world_size: int) -> list[str]:
+    """Forward = concatenation, backward = reduce-scatter of a cross-rank loss (float64, 1e-12)."""
+    failures = []
+    for case, sizes in enumerate(SHARDS[world_size]):
+        for dim in (0, 1, -1):
+            for given in (None, tuple(sizes)):
+                full = make_global(sum(sizes), dim, seed=case)
+                mixer = torch.randn(6, 6, generator=torch.Generator().manual_seed(99), dtype=torch.float64)
+                local = shard_of(full, sizes, rank, dim).clone().requires_grad_(True)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", FutureWarning)
+                    gathered = all_gather(local, dim, sizes=given)
+                    loss = mixing_loss(local, gathered.tensor, dim, mixer)
+                    (grad,) = torch.autograd.grad(loss, local)
+                label = f"sizes={sizes} dim={dim} given={given is not None}"
+                if gathered.sizes != tuple(sizes) or gathered.offset != sum(sizes[:rank]):
+                    failures.append(f"{label}: sizes {gathered.sizes} offset {gathered.offset}")
+                if not torch.equal(gathered.tensor.detach(), full):
+                    failures.append(f"{label}: forward differs from the concatenation")
+                expected = shard_of(reference_grad(full, sizes, dim, mixer), sizes, rank, dim)
+                error = (grad - expected).abs().max().item() if grad.numel() else 0.0
+                if error > 1e-12:
+                    failures.append(f"{label}: gradient error {error:.2e}")
+    return failures
+
+
+def check_closed_form(rank: int, world_size: int) -> list[str]:
+    """sin(gathered).sum() on every rank → d/dx = world_size * cos(x), for float dtypes."""
+    failures = []
+    tolerances = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 5e-3}
+    for dtype, tolerance in tolerances.items():
+        for sizes in SHARDS[world_size]:
+            full = make_global(sum(sizes), 0, seed=7, dtype=dtype)
+            local = shard_of(full, sizes, rank, 0).clone().requires_grad_(True)
+            gathered = all_gather(local).tensor
+            (grad,) = torch.autograd.grad(torch.sin(gathered.float()).sum(), local)
+            expected = world_size * torch.cos(local.detach().float())
+            error = (grad.float() - expected).abs().max().item() if grad.numel() else 0.0
+            if grad.dtype != dtype or gathered.dtype != dtype or error > tolerance * world_size:
+                failures.append(f"{dtype} {sizes}: dtype {grad.dtype}, error {error:.2e}")
+    return failures
+
+
+def check_other_inputs(rank: int, world_size: int) -> list[str]:
+    """Integers, bools, non-contiguous views, inputs without grad, several tensors at once."""
+    failures = []
+    sizes = [rank + 1 if rank != 1 else 0 for rank in range(world_size)]
+    ids = torch.arange(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    gathered_ids = all_gather(ids)
+    if gathered_ids.tensor.tolist() != list(range(sum(sizes))) or gathered_ids.tensor.dtype != torch.int64:
+        failures.append(f"integer gather: {gathered_ids.tensor.tolist()}")
+    flags = (ids % 2 == 0)
+    if all_gather(flags).tensor.tolist() != [i % 2 == 0 for i in range(sum(sizes))]:
+        failures.append("bool gather")
+    wide = torch.arange(4 * sum(sizes), dtype=torch.float32).reshape(4, sum(sizes))
+    view = wide.T[sum(sizes[:rank]) : sum(sizes[: rank + 1])]  # non-contiguous rows
+    if not torch.equal(all_gather(view).tensor, wide.T):
+        failures.append("non-contiguous gather")
+    if all_gather(view).tensor.requires_grad:
+        failures.append("input without grad produced an output requiring grad")
+    image = torch.randn(sizes[rank], 5, dtype=torch.float64, requires_grad=True)
+    text = torch.randn(sizes[rank], 2, 3, dtype=torch.float64, requires_grad=True)
+    many = all_gather_many((image, text, ids))
+    alone = [all_gather(t.detach()).tensor for t in (image, text, ids)]
+    if not all(torch.equal(a, b) for a, b in zip(many.tensors, alone)):
+        failures.append("all_gather_many forward differs from separate gathers")
+    (many.tensors[0].sum() * 2 + many.tensors[1].pow(2).sum()).backward()
+    if not torch.allclose(image.grad, torch.full_like(image, 2.0 * world_size)):
+        failures.append("all_gather_many image gradient")
+    if not torch.allclose(text.grad, 2 * world_size * text.detach()):
+        failures.append("all_gather_many text gradient")
+    return failures
+
+
+def check_subgroup(rank: int, world_size: int) -> list[str]:
+    """A subgroup of a 4-process world: only its members gather, with their own ranks and sizes."""
+    members = [0, 2, 3]
+    group = dist.new_group(members)
+    failures = []
+    if rank in members:
+        sizes = {0: 2, 2: 0, 3: 1}
+        x = torch.full((sizes[rank], 2), float(rank), requires_grad=True)
+        gathered = all_gather(x, group=group)
+        expected = [[0.0, 0.0], [0.0, 0.0], [3.0, 3.0]]
+        if gathered.tensor.tolist() != expected or gathered.sizes != (2, 0, 1):
+            failures.append(f"subgroup forward {gathered.tensor.tolist()} {gathered.sizes}")
+        if gathered.rank != members.index(rank):
+            failures.append(f"subgroup rank {gathered.rank}")
+        gathered.tensor.sum().backward()
+        if not torch.equal(x.grad, torch.full_like(x, 3.0)):
+            failures.append("subgroup backward")
+    dist.barrier()
+    return failures
+
+
+BAD_INPUTS = ["trailing", "ndim", "dtype", "not_tensor", "dim_range", "sizes_mismatch", "sizes_length"]
+
+
+def raise_bad_input(rank: int, world_size: int, kind: str) -> None:
+    """Rank 1 passes something that disagrees with the others."""
+    bad = rank == 1
+    x = torch.randn(2, 3)
+    sizes = None
+    if kind == "trailing" and bad:
+        x = torch.randn(2, 4)
+    elif kind == "ndim" and bad:
+        x = torch.randn(2, 3, 1)
+    elif kind == "dtype" and bad:
+        x = x.double()
+    elif kind == "not_tensor" and bad:
+        x = [[1.0, 2.0, 3.0]]  # type: ignore[assignment]
+    elif kind == "sizes_mismatch":
+        sizes = [2] * world_size
+        x = torch.randn(3 if bad else 2, 3)
+    elif kind == "sizes_length":
+        sizes = [2] * (world_size + 1)
+    all_gather(x, 5 if (kind == "dim_range" and bad) else 0, sizes=sizes)
+
+
+def gather_after_errors(rank: int, world_size: int) -> list[int]:
+    return all_gather(torch.tensor([rank])).tensor.tolist()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_values_and_gradients_match_single_process(pool, world_size):
+    assert pool(world_size).run(check_values_and_grads) == [[]] * world_size
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_closed_form_gradient_for_every_float_dtype(pool, world_size):
+    assert pool(world_size).run(check_closed_form) == [[]] * world_size
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_integers_bools_views_and_several_tensors(pool, world_size):
+    assert pool(world_size).run(check_other_inputs) == [[]] * world_size
+
+
+def test_subgroup_of_a_four_process_world(pool):
+    assert pool(4).run(check_subgroup) == [[]] * 4
+
+
+@pytest.mark.parametrize("kind", BAD_INPUTS)
+def test_bad_input_raises_the_same_clear_error_on_every_rank(pool, kind):
+    workers = pool(3)
+    errors = workers.run(raise_bad_input, kind, return_exceptions=True, timeout=20)
+    assert all(isinstance(error, (ValueError, TypeError)) for error in errors), errors
+    if kind != "sizes_length":
+        assert len({str(error) for error in errors}) == 1, "ranks disagree on the message"
+        assert "rank 1" in str(errors[0])
+    # Nothing was poisoned: the group still works.
+    assert workers.run(gather_after_errors) == [[0, 1, 2]] * 3
+
+
+def test_without_process_group_it_is_the_identity():
+    x = torch.randn(4, 3, requires_grad=True)
+    gathered = all_gather(x, -1)
+    assert gathered.tensor is x and gathered.sizes == (3,) and gathered.offset == 0
+    assert all_gather(x, sizes=[4]).sizes == (4,)
+    with pytest.raises(ValueError, match="sizes"):
+        all_gather(x, sizes=[5])
+    with pytest.raises(ValueError, match="out of range"):
+        all_gather(x, 2)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        all_gather([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="sequence of tensors"):
+        all_gather_many(x)  # type: ignore[arg-type]
