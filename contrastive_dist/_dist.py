@@ -22,7 +22,7 @@ def is_distributed(group: ProcessGroup | None = None) -> bool:
 
 
 def get_rank(group: ProcessGroup | None = None) -> int:
-    """This process's rank within ``group`` (0 when not distributed)."""
+    """Rank of this process within ``group`` (0 when not distributed)."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     return dist.get_rank(group)

@@ -1,15 +1,25 @@
-"""Raw, non-differentiable transport used by the gather: one collective per call.
+"""Raw, non-differentiable transport used by the gather; no padding ever goes on the wire.
 
-The rows of every rank travel without padding:
+Routes, chosen by measurement on gloo (see ``benchmarks/gather.py``) and by what NCCL does best:
 
-* equal sizes: one ``all_gather_single`` forward, one ``reduce_scatter_single`` backward;
-* uneven sizes: one ``all_to_all_single`` with split sizes each way (the forward sends the
-  local rows to every rank, the backward sends each rank the gradient of its rows and sums).
+=================  ===========================  ===============================================
+sizes              forward (gather rows)        backward (reduce-scatter, SUM)
+=================  ===========================  ===============================================
+equal              one ``all_gather_single``    gloo: one ``all_to_all_single`` + local sum;
+                                                NCCL: one ``reduce_scatter_single``
+uneven             gloo: one broadcast per      one ``all_to_all_single`` with split sizes
+                   non-empty rank, straight     + local sum
+                   into the output;
+                   NCCL: one ``all_to_all_single``
+=================  ===========================  ===============================================
 
-Both routes work on gloo and NCCL. The collective names changed in torch 2.13
-(``all_gather_into_tensor`` → ``all_gather_single``, ``reduce_scatter_tensor`` →
-``reduce_scatter_single``); the installed torch's own names are used so that no
-deprecation warning is raised.
+On gloo, ``reduce_scatter_single`` measured about 1.7x slower than all-to-all + sum, and the
+uneven all-to-all forward (which must repeat the local rows for every destination) about
+2x slower than broadcasting each rank's rows into place.
+
+The collective names changed in torch 2.13 (``all_gather_into_tensor`` → ``all_gather_single``,
+``reduce_scatter_tensor`` → ``reduce_scatter_single``); the installed torch's own names are
+used so that no deprecation warning is raised.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-__all__ = ["gather_rows", "reduce_scatter_rows"]
+__all__ = ["gather_rows", "gather_rows_with_status", "reduce_scatter_rows"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -35,6 +45,10 @@ def _to_wire(x: Tensor) -> Tensor:
     return x.contiguous() if wire_dtype is None else x.contiguous().view(wire_dtype)
 
 
+def _is_nccl(group: ProcessGroup | None) -> bool:
+    return dist.get_backend(group) == dist.Backend.NCCL
+
+
 def gather_rows(x: Tensor, sizes: Sequence[int], rank: int, group: ProcessGroup | None) -> Tensor:
     """Concatenate every rank's rows (dim 0) in rank order.
 
@@ -46,16 +60,21 @@ def gather_rows(x: Tensor, sizes: Sequence[int], rank: int, group: ProcessGroup 
     out = wire.new_empty((sum(sizes), *x.shape[1:]))
     if min(sizes) == max(sizes):
         _all_gather_single(out, wire, group=group)
-    else:
-        # Each destination gets the same local rows: the send buffer repeats them.
-        send = wire.repeat(world_size, *([1] * (wire.ndim - 1)))
+    elif _is_nccl(group):
+        send = wire.repeat(world_size, *([1] * (wire.ndim - 1)))  # the same rows for every peer
         dist.all_to_all_single(
-            out,
-            send,
-            output_split_sizes=list(sizes),
-            input_split_sizes=[sizes[rank]] * world_size,
-            group=group,
+            out, send, output_split_sizes=list(sizes), input_split_sizes=[sizes[rank]] * world_size, group=group
         )
+    else:
+        start = 0
+        for owner, size in enumerate(sizes):
+            block = out[start : start + size]
+            start += size
+            if size == 0:
+                continue  # every rank knows the sizes, so all skip the same broadcasts
+            if owner == rank:
+                block.copy_(wire)
+            dist.broadcast(block, src=dist.get_global_rank(group, owner) if group is not None else owner, group=group)
     return out.view(x.dtype) if out.dtype != x.dtype else out
 
 
@@ -68,17 +87,13 @@ def reduce_scatter_rows(grad: Tensor, sizes: Sequence[int], rank: int, group: Pr
     world_size = len(sizes)
     grad = grad.contiguous()
     local = sizes[rank]
-    if min(sizes) == max(sizes):
+    if min(sizes) == max(sizes) and _is_nccl(group):
         out = grad.new_empty((local, *grad.shape[1:]))
         _reduce_scatter_single(out, grad, group=group)
         return out
     received = grad.new_empty((world_size * local, *grad.shape[1:]))
     dist.all_to_all_single(
-        received,
-        grad,
-        output_split_sizes=[local] * world_size,
-        input_split_sizes=list(sizes),
-        group=group,
+        received, grad, output_split_sizes=[local] * world_size, input_split_sizes=list(sizes), group=group
     )
     return received.view(world_size, local, *grad.shape[1:]).sum(0)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -187,7 +187,8 @@ def all_gather_many(
     local = tensors[0].shape[dim]
     status = [] if local == known_sizes[rank] else [rank]
     if status:
-        problem = (ValueError, f"sizes[{rank}]={known_sizes[rank]} was given, but the input has {local} rows along dim={dim}")
+        problem = (ValueError, f"sizes[{rank}]={known_sizes[rank]} was given, but the input has {local} rows along "
+                   f"dim={dim}")
     gathered = _gather_eager(tensors, dim, known_sizes, rank, group, status)
     if status:
         raise_disagreement(tensors, dim, problem, group, world_size)
@@ -256,7 +257,7 @@ def _gather_compiled(
     import torch.distributed._functional_collectives as funcol
 
     world_size = len(sizes)
-    process_group = group if group is not None else torch.distributed.group.WORLD
+    process_group = cast(ProcessGroup, group if group is not None else torch.distributed.group.WORLD)
     results = []
     for tensor in tensors:
         rows = tensor.movedim(dim, 0).contiguous()

@@ -186,7 +186,7 @@ class WorkerPool:
                 missing = sorted(set(range(self.world_size)) - set(outcomes))
                 reported = _describe_failures(outcomes)
                 if dead:
-                    raise RuntimeError(f"worker process(es) of rank {dead} died (no result from ranks {missing}){reported}")
+                    raise RuntimeError(f"worker(s) of rank {dead} died (no result from ranks {missing}){reported}")
                 raise TimeoutError(f"ranks {missing} gave no result within {deadline:.0f} s (hang?){reported}")
             try:
                 rank, blob = self._results.get(timeout=min(remaining, 0.5))

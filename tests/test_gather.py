@@ -211,3 +211,26 @@ def test_without_process_group_it_is_the_identity():
         all_gather([1, 2])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="sequence of tensors"):
         all_gather_many(x)  # type: ignore[arg-type]
+
+
+def compiled_step(x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    gathered = all_gather(x, sizes=sizes).tensor
+    return torch.tanh(x @ gathered.T).sum()
+
+
+def check_compiled_matches_eager(rank: int, world_size: int) -> list[str]:
+    failures = []
+    compiled = torch.compile(compiled_step, fullgraph=True, backend="aot_eager")
+    for sizes in ((3, 0, 2), (2, 2, 2)):
+        x = torch.randn(sizes[rank], 4, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+        value = compiled(x, sizes)
+        (grad,) = torch.autograd.grad(value, x)
+        eager_value = compiled_step(x, sizes)
+        (eager_grad,) = torch.autograd.grad(eager_value, x)
+        if not (torch.allclose(value, eager_value) and torch.allclose(grad, eager_grad)):
+            failures.append(f"{sizes}: compiled {value.item()} vs eager {eager_value.item()}")
+    return failures
+
+
+def test_torch_compile_fullgraph_with_given_sizes(pool):
+    assert pool(3).run(check_compiled_matches_eager, timeout=120) == [[]] * 3

@@ -1,0 +1,271 @@
+"""DistributedBatchSampler and EmptySafeCollate on one process, ranks simulated by explicit ``rank=``."""
+
+from __future__ import annotations
+
+import pickle
+from collections import namedtuple
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+
+from contrastive_dist import DistributedBatchSampler, EmptySafeCollate
+
+FAST = settings(max_examples=200, deadline=None)
+
+
+def all_ranks(length: int, world: int, batch: int, *, shuffle: bool, seed: int = 0, epoch: int = 0):
+    samplers = [
+        DistributedBatchSampler(length, batch, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)
+        for rank in range(world)
+    ]
+    for sampler in samplers:
+        sampler.set_epoch(epoch)
+    return samplers
+
+
+def reference_epoch(length: int, world: int, batch: int, *, shuffle: bool, seed: int, epoch: int):
+    """Obviously-correct layout: per step, the global slice dealt out in rank order, extra rows first."""
+    if shuffle:
+        generator = torch.Generator().manual_seed(seed + epoch)
+        order = torch.randperm(length, generator=generator).tolist()
+    else:
+        order = list(range(length))
+    global_batch = batch * world
+    steps = []
+    for begin in range(0, length, global_batch):
+        chunk = order[begin : begin + global_batch]
+        per_rank = [[] for _ in range(world)]
+        counts = [0] * world
+        for position in range(len(chunk)):
+            counts[position % world] += 1  # deal one by one: the first ranks get the extra ones
+        cursor = 0
+        for rank in range(world):
+            per_rank[rank] = chunk[cursor : cursor + counts[rank]]
+            cursor += counts[rank]
+        steps.append(per_rank)
+    return steps
+
+
+layouts = st.tuples(
+    st.integers(1, 5000), st.integers(1, 8), st.integers(1, 64), st.booleans(), st.integers(0, 5), st.integers(0, 99)
+)
+
+
+@FAST
+@given(layouts)
+def test_epoch_layout_matches_reference(layout):
+    length, world, batch, shuffle, epoch, seed = layout
+    samplers = all_ranks(length, world, batch, shuffle=shuffle, seed=seed, epoch=epoch)
+    batches = [list(sampler) for sampler in samplers]
+    expected = reference_epoch(length, world, batch, shuffle=shuffle, seed=seed, epoch=epoch)
+    steps = len(expected)
+    assert all(len(sampler) == steps for sampler in samplers)
+    assert all(len(per_rank) == steps for per_rank in batches)
+    seen = []
+    for step in range(steps):
+        sizes = tuple(len(batches[rank][step]) for rank in range(world))
+        assert max(sizes) - min(sizes) <= 1
+        assert list(sizes) == sorted(sizes, reverse=True)
+        assert all(sampler.sizes(step) == sizes for sampler in samplers)
+        assert [batches[rank][step] for rank in range(world)] == expected[step]
+        for rank in range(world):
+            seen.extend(batches[rank][step])
+    assert sorted(seen) == list(range(length))
+    if not shuffle:
+        assert seen == list(range(length))
+    # Determinism: a second sampler built the same way (another "process") gives the same batches.
+    again = all_ranks(length, world, batch, shuffle=shuffle, seed=seed, epoch=epoch)
+    assert [list(sampler) for sampler in again] == batches
+
+
+@FAST
+@given(st.integers(2, 5000), st.integers(1, 8), st.integers(1, 64), st.integers(0, 50))
+def test_each_epoch_has_a_new_order(length, world, batch, epoch):
+    sampler = DistributedBatchSampler(length, batch, num_replicas=world, rank=0, seed=3)
+    others = all_ranks(length, world, batch, shuffle=True, seed=3)
+
+    def global_order(epoch_: int) -> list[int]:
+        for other in others:
+            other.set_epoch(epoch_)
+        per_rank = [list(other) for other in others]
+        return [index for step in zip(*per_rank, strict=True) for part in step for index in part]
+
+    first, second = global_order(epoch), global_order(epoch + 1)
+    # Two permutations of >= 2 items from different seeds: equal only by (rare) chance, and
+    # never for a length where a collision would be probable.
+    if length >= 8:
+        assert first != second
+    assert sorted(first) == sorted(second) == list(range(length))
+    sampler.set_epoch(epoch)
+    assert [index for part in sampler for index in part] == [
+        index for part in all_ranks(length, world, batch, shuffle=True, seed=3, epoch=epoch)[0] for index in part
+    ]
+
+
+@FAST
+@given(layouts, st.data())
+def test_resume_from_any_step_gives_the_rest_of_the_epoch(layout, data):
+    length, world, batch, shuffle, epoch, seed = layout
+    rank = data.draw(st.integers(0, world - 1))
+    sampler = DistributedBatchSampler(length, batch, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)
+    sampler.set_epoch(epoch)
+    full = list(sampler)
+    done = data.draw(st.integers(0, len(full)))
+    iterator = iter(sampler)
+    head = [next(iterator) for _ in range(done)]
+    state = pickle.loads(pickle.dumps(sampler.state_dict()))
+    assert (state["epoch"], state["step"], state["seed"]) == (epoch, done, seed)
+
+    resumed = DistributedBatchSampler(length, batch, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed + 1)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state
+    resumed.set_epoch(epoch)  # what a training loop does before iterating: must keep the resume point
+    assert head + list(resumed) == full
+    # The resume is used once: the next iteration is a full epoch again.
+    assert list(resumed) == full
+
+    # A fresh iter() after a partial one starts a full epoch (DataLoader never exhausts us).
+    partial = iter(sampler)
+    for _ in range(done):
+        next(partial)
+    assert list(sampler) == full
+
+
+def test_dataset_smaller_than_world():
+    samplers = all_ranks(3, 8, 4, shuffle=True, seed=1)
+    batches = [list(sampler) for sampler in samplers]
+    assert [len(per_rank) for per_rank in batches] == [1] * 8
+    assert [len(per_rank[0]) for per_rank in batches] == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert samplers[5].sizes(0) == (1, 1, 1, 0, 0, 0, 0, 0)
+
+
+def test_dataloader_runs_two_full_epochs_and_stops_at_len():
+    dataset = list(range(21))
+    sampler = DistributedBatchSampler(dataset, 4, num_replicas=2, rank=1, seed=0)
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=EmptySafeCollate(dataset))
+    epochs = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        epochs.append([batch.tolist() for batch in loader])
+        assert len(epochs[-1]) == len(loader) == 3
+    assert epochs[0] != epochs[1]
+    assert [len(batch) for batch in epochs[0]] == [4, 4, 2]
+
+
+def test_dataloader_with_workers_and_empty_rank():
+    dataset = [(torch.full((2,), float(i)), i) for i in range(5)]
+    sampler = DistributedBatchSampler(dataset, 1, num_replicas=3, rank=2, shuffle=False)  # sizes (1,1,1), (1,1,0)
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=EmptySafeCollate(dataset), num_workers=1)
+    (_, first_ids), (features, ids) = list(loader)
+    assert first_ids.tolist() == [2]
+    assert features.shape == (0, 2) and features.dtype == torch.float32
+    assert ids.shape == (0,) and ids.dtype == torch.int64
+
+
+@pytest.mark.parametrize(
+    ("arguments", "options", "error", "message"),
+    [
+        ((0, 4), {}, ValueError, "at least one sample"),
+        (([], 4), {}, ValueError, "at least one sample"),
+        ((10, 0), {}, ValueError, "batch_size must be >= 1"),
+        ((10, 2.0), {}, TypeError, "batch_size must be an int"),
+        ((10, True), {}, TypeError, "batch_size must be an int"),
+        ((10, 2), {"num_replicas": 0, "rank": 0}, ValueError, "num_replicas must be >= 1"),
+        ((10, 2), {"num_replicas": 2, "rank": 2}, ValueError, r"rank must be in \[0, num_replicas=2\)"),
+        ((10, 2), {"num_replicas": 2, "rank": -1}, ValueError, "rank must be >= 0"),
+        ((10, 2), {"shuffle": 1}, TypeError, "shuffle must be a bool"),
+        ((10, 2), {"seed": "0"}, TypeError, "seed must be an int"),
+        ((object(), 2), {}, TypeError, "dataset with len"),
+    ],
+)
+def test_invalid_arguments(arguments, options, error, message):
+    with pytest.raises(error, match=message):
+        DistributedBatchSampler(*arguments, **options)
+
+
+def test_defaults_without_process_group_and_bad_calls():
+    sampler = DistributedBatchSampler(range(7), 3)
+    assert (sampler.num_replicas, sampler.rank, len(sampler)) == (1, 0, 3)
+    assert sampler.sampler is sampler
+    with pytest.raises(ValueError, match=r"step must be an int in \[0, 3\)"):
+        sampler.sizes(3)
+    with pytest.raises(ValueError, match="epoch must be >= 0"):
+        sampler.set_epoch(-1)
+    state = sampler.state_dict()
+    with pytest.raises(ValueError, match="saved batch_size is 3 but this sampler has 2"):
+        DistributedBatchSampler(7, 2).load_state_dict(state)
+    with pytest.raises(ValueError, match="lacks the key"):
+        sampler.load_state_dict({"epoch": 0})
+    with pytest.raises(ValueError, match=r"step'\] must be in \[0, 3\]"):
+        sampler.load_state_dict({**state, "step": 4})
+
+
+def test_set_epoch_to_another_epoch_drops_a_loaded_state():
+    sampler = DistributedBatchSampler(50, 4, num_replicas=2, rank=0, seed=5)
+    sampler.load_state_dict({**sampler.state_dict(), "epoch": 2, "step": 3})
+    sampler.set_epoch(4)
+    reference = DistributedBatchSampler(50, 4, num_replicas=2, rank=0, seed=5)
+    reference.set_epoch(4)
+    assert list(sampler) == list(reference)
+    # Lightning's order when it resumes: iter() first, set_epoch() before the first batch.
+    sampler.set_epoch(0)
+    iterator = iter(sampler)
+    sampler.set_epoch(4)
+    assert list(iterator) == list(reference)
+
+
+Pair = namedtuple("Pair", ["image", "label"])
+
+
+def test_empty_safe_collate_structures():
+    sample = {
+        "image": torch.ones(3, 4, 4, dtype=torch.float16),
+        "label": 3,
+        "score": 0.5,
+        "caption": "a cat",
+        "parts": (torch.zeros(2, dtype=torch.bool), [torch.arange(3), 1]),
+        "pair": Pair(torch.ones(2), 1),
+    }
+    dataset = [sample, sample]
+    collate = EmptySafeCollate(dataset)
+    empty = collate([])
+    full = collate(dataset)
+    assert set(empty) == set(full)
+
+    def check(empty_part, full_part):
+        if isinstance(full_part, torch.Tensor):
+            assert empty_part.shape == (0, *full_part.shape[1:])
+            assert empty_part.dtype == full_part.dtype
+        elif isinstance(full_part, dict):
+            for key in full_part:
+                check(empty_part[key], full_part[key])
+        elif full_part and isinstance(full_part[0], str):
+            assert empty_part == []
+        else:
+            assert type(empty_part) is type(full_part) and len(empty_part) == len(full_part)
+            for a, b in zip(empty_part, full_part, strict=True):
+                check(a, b)
+
+    check(empty, full)
+    assert empty["label"].dtype == torch.int64 and empty["score"].dtype == torch.float64
+    # Fresh tensors each call, and picklable for DataLoader workers.
+    assert collate([])["image"] is not empty["image"]
+    assert pickle.loads(pickle.dumps(collate))([])["image"].shape == (0, 3, 4, 4)
+
+
+def test_empty_safe_collate_custom_collate_and_errors():
+    def stack_first(samples):
+        return torch.stack([sample[0] for sample in samples])
+
+    dataset = [(torch.ones(5), "x")] * 3
+    assert EmptySafeCollate(dataset, stack_first)([]).shape == (0, 5)
+    assert EmptySafeCollate(dataset, stack_first)(dataset).shape == (3, 5)
+    with pytest.raises(ValueError, match="at least one sample"):
+        EmptySafeCollate([])
+    with pytest.raises(TypeError, match="collate_fn must be callable"):
+        EmptySafeCollate(dataset, "stack")
+    with pytest.raises(ValueError, match="0-d tensor"):
+        EmptySafeCollate(dataset, lambda samples: torch.tensor(1.0))
