@@ -54,6 +54,7 @@ def _worker_main(
     import torch
     import torch.distributed as dist
 
+    _exit_with_parent()
     torch.set_num_threads(threads)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group(
@@ -86,6 +87,20 @@ def _worker_main(
                 results.put((rank, pickle.dumps(failure)))
     finally:
         dist.destroy_process_group()
+
+
+def _exit_with_parent() -> None:
+    """End this worker when the parent dies (e.g. killed by a test timeout): no orphans left behind."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
 
 
 class WorkerPool:

@@ -1,0 +1,172 @@
+"""Single-process checks of the losses: float64 loop references, analytic values, chunking, validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_losses_reference import (
+    KINDS,
+    assert_close,
+    make_problem,
+    package_loss,
+    reference_loss,
+    value_and_grads,
+)
+
+from contrastive_dist import (
+    DistributedInfoNCE,
+    NTXentLoss,
+    SigLIPLoss,
+    SupConLoss,
+    info_nce,
+    nt_xent,
+    retrieval_accuracy,
+    siglip,
+    supcon,
+)
+from contrastive_dist.losses import _chunked
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("total", [1, 2, 7])
+def test_matches_loop_reference(total: int, dtype: torch.dtype) -> None:
+    for kind in KINDS:
+        params, data = make_problem(seed=total, total=total, dtype=dtype)
+        params64 = {name: p.detach().double().requires_grad_() for name, p in params.items()}
+        data64 = {name: t.double() if t.is_floating_point() else t for name, t in data.items()}
+        expected, expected_grads = value_and_grads(reference_loss(kind, params64, data64), params64)
+        for chunk_size in (None, 1, 3, 100):
+            loss, grads = value_and_grads(package_loss(kind, params, data, chunk_size, None), params)
+            what = f"{kind} total={total} chunk={chunk_size}"
+            assert_close(loss.double(), expected, dtype, what)
+            for name in grads:
+                assert_close(grads[name].double(), expected_grads[name], dtype, f"{what} d/d{name}")
+
+
+@pytest.mark.parametrize("gradients_in_forward", [True, False])
+def test_chunked_equals_unchunked_float32(monkeypatch: pytest.MonkeyPatch, gradients_in_forward: bool) -> None:
+    monkeypatch.setattr(_chunked, "_GRADIENTS_IN_FORWARD", gradients_in_forward)
+    generator = torch.Generator().manual_seed(0)
+    images = F.normalize(torch.randn(37, 16, generator=generator), dim=-1).requires_grad_()
+    texts = F.normalize(torch.randn(37, 16, generator=generator), dim=-1).requires_grad_()
+    labels = torch.randint(0, 5, (37,), generator=generator)
+    scale = torch.tensor(1 / 0.07, requires_grad=True)
+    bias = torch.tensor(-3.0, requires_grad=True)
+    losses = {
+        "clip": lambda chunk: info_nce(images, texts, scale, chunk_size=chunk),
+        "ntxent": lambda chunk: nt_xent(images, texts, chunk_size=chunk),
+        "siglip": lambda chunk: siglip(images, texts, scale, bias, chunk_size=chunk),
+        "supcon": lambda chunk: supcon(torch.stack([images, texts], 1), labels, chunk_size=chunk),
+    }
+    leaves = [images, texts, scale, bias]
+    for kind, loss_fn in losses.items():
+        expected = loss_fn(None)
+        expected_grads = torch.autograd.grad(expected, leaves, allow_unused=True)
+        for chunk in (1, 5, 16, 37, 64):
+            loss = loss_fn(chunk)
+            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+            torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0, msg=f"{kind} chunk={chunk}")
+            for grad, expected_grad in zip(grads, expected_grads, strict=True):
+                if expected_grad is not None:
+                    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6, msg=f"{kind} chunk={chunk}")
+
+
+def test_analytic_minimum_for_aligned_features() -> None:
+    count, scale, bias = 5, 4.0, -2.0
+    basis = torch.eye(count, dtype=torch.float64)
+    # Orthonormal, perfectly paired: matching logit = scale, every other logit = 0.
+    clip_expected = math.log(1 + (count - 1) * math.exp(-scale))
+    assert info_nce(basis, basis, scale).item() == pytest.approx(clip_expected, rel=1e-12)
+    assert info_nce(basis, basis, scale, chunk_size=2).item() == pytest.approx(clip_expected, rel=1e-12)
+    assert info_nce(basis, basis, 100.0).item() < 1e-40
+    siglip_expected = math.log1p(math.exp(-(scale + bias))) + (count - 1) * math.log1p(math.exp(bias))
+    assert siglip(basis, basis, scale, bias).item() == pytest.approx(siglip_expected, rel=1e-12)
+    assert siglip(basis, basis, scale, bias, chunk_size=3).item() == pytest.approx(siglip_expected, rel=1e-12)
+    temperature = 0.5
+    # NT-Xent: the positive has similarity 1, the other 2N − 2 candidates 0.
+    ntxent_expected = math.log(math.exp(1 / temperature) + 2 * count - 2) - 1 / temperature
+    assert nt_xent(basis, basis, temperature=temperature).item() == pytest.approx(ntxent_expected, rel=1e-12)
+    # SupCon, two classes of aligned pairs: same-class similarity 1 (the positive), others 0.
+    features = torch.eye(2, dtype=torch.float64).repeat_interleave(2, 0)
+    supcon_expected = math.log(math.exp(1 / temperature) + 2) - 1 / temperature
+    assert supcon(features, torch.tensor([0, 0, 1, 1]), temperature=temperature).item() == pytest.approx(
+        supcon_expected, rel=1e-12
+    )
+
+
+def test_supcon_without_positives_is_zero_not_nan() -> None:
+    features = F.normalize(torch.randn(4, 8, dtype=torch.float64), dim=-1).requires_grad_()
+    for chunk_size in (None, 3):
+        loss = supcon(features, torch.arange(4), chunk_size=chunk_size)
+        (grad,) = torch.autograd.grad(loss, features)
+        assert loss.item() == 0.0 and torch.equal(grad, torch.zeros_like(grad))
+
+
+def test_empty_batch_gives_connected_zero() -> None:
+    empty = torch.zeros(0, 8, requires_grad=True)
+    for loss in (
+        info_nce(empty, empty),
+        info_nce(empty, empty, chunk_size=4),
+        nt_xent(empty, empty, chunk_size=4),
+        siglip(empty, empty, 10.0, -10.0, chunk_size=4),
+        supcon(empty, torch.zeros(0, dtype=torch.long)),
+    ):
+        (grad,) = torch.autograd.grad(loss, empty)
+        assert loss.item() == 0.0 and grad.shape == (0, 8)
+
+
+def test_modules_match_functional_forms() -> None:
+    generator = torch.Generator().manual_seed(3)
+    images, texts = torch.randn(6, 4, generator=generator), torch.randn(6, 4, generator=generator)
+    labels = torch.tensor([0, 1, 0, 1, 2, 2])
+    assert torch.equal(DistributedInfoNCE(temperature=0.1)(images, texts), info_nce(images, texts, temperature=0.1))
+    one_way = DistributedInfoNCE(symmetric=False, chunk_size=4)(images, texts, 3.0)
+    assert torch.allclose(one_way, info_nce(images, texts, 3.0, symmetric=False))
+    assert torch.equal(NTXentLoss(temperature=0.2)(images, texts), nt_xent(images, texts, temperature=0.2))
+    assert torch.equal(SigLIPLoss()(images, texts, 2.0, -1.0), siglip(images, texts, 2.0, -1.0))
+    assert torch.equal(SupConLoss(temperature=0.2)(images, labels), supcon(images, labels, temperature=0.2))
+    assert torch.equal(info_nce(images, texts, sizes=(6,)), info_nce(images, texts))
+    assert "chunk_size=4" in repr(DistributedInfoNCE(chunk_size=4))
+
+
+def test_retrieval_accuracy_matches_topk() -> None:
+    generator = torch.Generator().manual_seed(1)
+    images, texts = torch.randn(30, 8, generator=generator), torch.randn(30, 8, generator=generator)
+    texts[:10] = images[:10]  # some pairs retrievable
+    accuracy = retrieval_accuracy(images, texts, top_k=(1, 5))
+    scores = images @ texts.T
+    for k in (1, 5):
+        image_hits = (scores.topk(k, dim=1).indices == torch.arange(30)[:, None]).any(1).double().mean()
+        text_hits = (scores.T.topk(k, dim=1).indices == torch.arange(30)[:, None]).any(1).double().mean()
+        assert accuracy[f"image_to_text_r{k}"].item() == pytest.approx(image_hits.item())
+        assert accuracy[f"text_to_image_r{k}"].item() == pytest.approx(text_hits.item())
+    assert set(accuracy) == {"image_to_text_r1", "image_to_text_r5", "text_to_image_r1", "text_to_image_r5"}
+
+
+def test_invalid_arguments_raise_clear_errors() -> None:
+    good = torch.randn(4, 8)
+    cases = [
+        (ValueError, "temperature must be > 0", lambda: DistributedInfoNCE(temperature=0.0)),
+        (ValueError, "temperature must be > 0", lambda: NTXentLoss(temperature=-1)),
+        (ValueError, "temperature must be > 0", lambda: info_nce(good, good, temperature=-0.5)),
+        (TypeError, "temperature must be a real number", lambda: SupConLoss(temperature="0.1")),  # type: ignore[arg-type]
+        (ValueError, "chunk_size must be None or a positive int, got 0", lambda: SigLIPLoss(chunk_size=0)),
+        (ValueError, r"same shape \(batch, dim\), got \(4, 8\) and \(3, 8\)", lambda: info_nce(good, good[:3])),
+        (ValueError, r"same shape \(batch, dim\), got \(4, 8\) and \(4, 5\)", lambda: nt_xent(good, good[:, :5])),
+        (ValueError, r"must be 2-d \(batch first\), got shape \(8,\)", lambda: siglip(good[0], good[0], 1.0, 0.0)),
+        (ValueError, r"must be 2-d or 3-d \(batch first\), got shape \(8,\)", lambda: supcon(good[0], good[0])),
+        (ValueError, r"labels must have shape \(4,\)", lambda: supcon(good, torch.zeros(3, dtype=torch.long))),
+        (TypeError, "labels must be an integer tensor", lambda: supcon(good, torch.zeros(4))),
+        (ValueError, "logit_scale must be a scalar", lambda: info_nce(good, good, torch.ones(2))),
+        (ValueError, "logit_scale must be > 0", lambda: info_nce(good, good, -1.0)),
+        (TypeError, "must share a dtype", lambda: info_nce(good, good.double())),
+        (TypeError, "symmetric must be a bool", lambda: DistributedInfoNCE(symmetric="yes")),  # type: ignore[arg-type]
+        (ValueError, "top_k must hold positive ints", lambda: retrieval_accuracy(good, good, top_k=(0,))),
+        (ValueError, r"sizes=\(3,\)", lambda: info_nce(good, good, sizes=(3,))),
+    ]
+    for error, message, call in cases:
+        with pytest.raises(error, match=message):
+            call()
