@@ -1,5 +1,6 @@
 """contrastive_dist: exact contrastive losses under data parallelism, on a differentiable variable-size all-gather."""
 
+from contrastive_dist.collate import EmptySafeCollate
 from contrastive_dist.collectives import copy_to_group, gather_from_group, reduce_from_group, scatter_to_group
 from contrastive_dist.gather import Gathered, GatheredMany, all_gather, all_gather_many
 from contrastive_dist.losses import (
@@ -14,6 +15,7 @@ from contrastive_dist.losses import (
 )
 from contrastive_dist.metrics import retrieval_accuracy
 from contrastive_dist.norm import SyncBatchNorm, convert_sync_batchnorm
+from contrastive_dist.sampler import DistributedBatchSampler
 
 __all__ = [
     "DistributedInfoNCE",
@@ -35,6 +37,8 @@ __all__ = [
     "scatter_to_group",
     "SyncBatchNorm",
     "convert_sync_batchnorm",
+    "DistributedBatchSampler",
+    "EmptySafeCollate",
 ]
 
 __version__ = "0.1.0"

@@ -9,12 +9,13 @@ with Chan et al.'s parallel formula::
     N = Σ_r n_r        mean = Σ_r n_r·mean_r / N        M2 = Σ_r M2_r + Σ_r n_r·(mean_r − mean)²
 
 Why not one all-reduce of ``[count, Σx, Σx²]``: ``Σx²/N − mean²`` cancels catastrophically
-when ``|mean| ≫ std`` (in float32 an activation with mean 1e3 and std 1 loses every digit of
-the variance). Local two-pass moments plus Chan's merge never subtract two large numbers, and
-the table is tiny (``W × (2C + 2)`` values), so an all-gather costs what an all-reduce costs.
-Every rank merges the same table in the same order, so the statistics, and hence the running
-buffers, are bitwise identical on every rank. The count goes along, so the "1 value per
-channel" error and the empty-batch case are decided after the collective, by every rank alike.
+when ``|mean| ≫ std`` (in float32, an activation with mean 1e3 and std 1 keeps about one
+significant digit of its variance; with mean 1e4, none). Local two-pass moments plus Chan's
+merge never subtract two large numbers, and the table is tiny (``W × (2C + 2)`` values), so
+an all-gather costs what an all-reduce costs. Every rank merges the same table in the same
+order, so the statistics, and hence the running buffers, are bitwise identical on every rank.
+The count goes along, so the "1 value per channel" error and the empty-batch case are decided
+after the collective, by every rank alike.
 
 Backward, one collective per layer: with ``x̂ = (x − mean)·invstd`` and global sums over all
 ``N`` values of a channel,
@@ -38,9 +39,10 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
-from contrastive_dist._wire import _all_gather_single
-
 __all__ = ["GlobalStats", "global_batch_stats", "normalize_with_global_stats"]
+
+# Renamed in torch 2.13; the installed torch's own name avoids a deprecation warning.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # Half-precision inputs are reduced and normalized with float32 statistics (the mixed-dtype
 # path of the native batch_norm kernels); float32 and float64 inputs keep their own dtype.
@@ -88,6 +90,7 @@ def _local_moments(x: Tensor, channels: int) -> Tensor:
     return packed
 
 
+@torch.no_grad()
 def global_batch_stats(x: Tensor, channels: int, group: ProcessGroup | None, world_size: int) -> GlobalStats:
     """Mean and biased variance per channel over every rank's batch (one all-gather).
 
