@@ -1,0 +1,144 @@
+"""The recipes as a user runs them: real multi-process Lightning DDP on CPU, tiny settings."""
+
+from __future__ import annotations
+
+import csv
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+TINY_CLIP = ["--image-size", "16", "--width", "4", "--text-width", "16", "--embed-dim", "16",
+             "--context-length", "40", "--accelerator", "cpu"]
+TINY_SIMCLR = ["--image-size", "16", "--width", "4", "--hidden", "16", "--out", "8", "--accelerator", "cpu"]
+
+
+def run(recipe: str, *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: int = 150,
+        check: bool = True) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    result = subprocess.run([sys.executable, str(RECIPES / recipe), *args], cwd=cwd, env=environment,
+                            capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"exit code {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+def metrics(output_dir: Path) -> list[dict[str, str]]:
+    (path,) = output_dir.glob("logs/version_*/metrics.csv")
+    with open(path) as file:
+        return list(csv.DictReader(file))
+
+
+def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def test_clip_end_to_end(tmp_path: Path) -> None:
+    assert "--num-nodes" in run("clip.py", "--help", cwd=tmp_path).stdout
+    out = tmp_path / "out"
+    result = run("clip.py", *TINY_CLIP, "--train-size", "60", "--val-size", "24", "--batch-size", "8",
+                 "--max-steps", "6", "--val-every", "3", "--output-dir", str(out), cwd=tmp_path)
+    rows = metrics(out)
+    losses = [row for row in rows if row.get("train/loss")]
+    recalls = [float(row["val/image_to_text_r5"]) for row in rows if row.get("val/image_to_text_r5")]
+    assert losses and len(recalls) == 2 and all(0 <= value <= 1 for value in recalls)
+    for name in ("curves.png", "retrievals.png", "checkpoints/last.ckpt", "checkpoints/best.ckpt"):
+        assert (out / name).stat().st_size > 0, name
+    assert list(out.glob("tensorboard/version_*/events.*"))
+    assert "chance" in result.stdout and "done in" in result.stdout
+    assert weights(out / "checkpoints/last.ckpt")["logit_scale"].ndim == 0
+
+
+def test_simclr_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = run("simclr.py", *TINY_SIMCLR, "--train-size", "60", "--val-size", "20", "--bank-size", "30",
+                 "--batch-size", "8", "--max-steps", "4", "--val-every", "2", "--output-dir", str(out), cwd=tmp_path)
+    accuracies = [float(row["val/knn_accuracy"]) for row in metrics(out) if row.get("val/knn_accuracy")]
+    assert len(accuracies) == 2 and all(0 <= value <= 1 for value in accuracies)
+    state = weights(out / "checkpoints/last.ckpt")
+    assert any(key.endswith("running_mean") for key in state)
+    assert (out / "curves.png").exists() and "knn_accuracy" in result.stdout
+
+
+def test_two_processes_train_to_the_weights_of_one(tmp_path: Path) -> None:
+    # 33 samples, global batch 16: steps of 16, 16, 1 per epoch; the last step splits [1, 0]
+    # (32-pixel images keep a 2×2 last feature map, so BatchNorm has 4 values per channel then).
+    common = [*TINY_CLIP, "--image-size", "32", "--train-size", "33", "--val-size", "8",
+              "--optimizer", "sgd", "--lr", "0.5",              "--max-steps", "6", "--val-every", "100", "--no-plots"]
+    run("clip.py", *common, "--devices", "2", "--batch-size", "8", "--output-dir", "two", cwd=tmp_path)
+    run("clip.py", *common, "--devices", "1", "--batch-size", "16", "--output-dir", "one", cwd=tmp_path)
+    two, one = weights(tmp_path / "two/checkpoints/last.ckpt"), weights(tmp_path / "one/checkpoints/last.ckpt")
+    for key, value in one.items():
+        if value.is_floating_point():
+            scale = value.abs().max().clamp_min(1e-6)
+            assert (two[key] - value).abs().max() / scale <= 1e-5, key
+    assert float(one["logit_scale"]) != pytest.approx(float(torch.tensor(1 / 0.07).log()), abs=1e-6)  # it trained
+
+
+def test_a_failing_rank_makes_the_command_fail(tmp_path: Path) -> None:
+    result = run("clip.py", *TINY_CLIP, "--train-size", "64", "--val-size", "8", "--batch-size", "4",
+                 "--max-steps", "8", "--val-every", "100", "--no-plots", "--output-dir", "out", cwd=tmp_path,
+                 env={"CONTRASTIVE_DIST_FAIL_AT_STEP": "3"}, check=False, timeout=120)
+    assert result.returncode != 0
+    assert "fails on purpose" in result.stdout + result.stderr
+
+
+def test_resume_mid_epoch_sees_every_sample_once(tmp_path: Path) -> None:
+    # 37 samples, global batch 8: five steps per epoch, the last split [3, 2]; stop after 2.
+    record = tmp_path / "samples"
+    record.mkdir()
+    common = [*TINY_CLIP, "--train-size", "37", "--val-size", "8", "--batch-size", "4", "--val-every", "100",
+              "--no-plots", "--output-dir", "out"]
+    env = {"CONTRASTIVE_DIST_RECORD_SAMPLES": str(record)}
+    run("clip.py", *common, "--max-steps", "2", cwd=tmp_path, env=env)
+    run("clip.py", *common, "--max-steps", "5", "--resume", "out/checkpoints/last.ckpt", cwd=tmp_path, env=env)
+    seen: list[int] = []
+    steps: dict[int, list[int]] = {0: [], 1: []}
+    for rank in (0, 1):
+        for line in (record / f"rank{rank}.txt").read_text().splitlines():
+            epoch, step, *ids = map(int, line.split())
+            assert epoch == 0
+            steps[rank].append(step)
+            seen += ids
+    assert steps[0] == steps[1] == [0, 1, 2, 3, 4]
+    assert sorted(seen) == list(range(37))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_on_localhost(tmp_path: Path) -> None:
+    args = [sys.executable, str(RECIPES / "clip.py"), *TINY_CLIP, "--train-size", "20", "--val-size", "8",
+            "--batch-size", "4", "--max-steps", "2", "--val-every", "2", "--no-plots", "--num-nodes", "2",
+            "--devices", "1"]
+    port = str(free_port())
+    processes = []
+    for node in (0, 1):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+               "NODE_RANK": str(node)}
+        processes.append(subprocess.Popen([*args, "--output-dir", f"node{node}"], cwd=tmp_path, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=150)[0])
+    finally:
+        for process in processes:
+            process.kill()
+    assert [process.returncode for process in processes] == [0, 0], "\n".join(output[-3000:] for output in outputs)
+    assert "2 process(es)" in outputs[0]
+
+
+@pytest.mark.parametrize("recipe", ["clip.py", "simclr.py"])
+def test_module_docstring_gives_the_launch_commands(recipe: str) -> None:
+    text = (RECIPES / recipe).read_text()
+    for command in ("--num-nodes", "NODE_RANK", "MASTER_ADDR", "torchrun --nnodes"):
+        assert command in text
