@@ -56,26 +56,44 @@ def describe(tensors: Sequence[object]) -> str:
     parts = []
     for tensor in tensors:
         if isinstance(tensor, Tensor):
-            parts.append(f"{str(tensor.dtype).removeprefix('torch.')} {tuple(tensor.shape)}")
+            grad = " requires_grad" if _tracks_grad(tensor) else ""
+            parts.append(f"{str(tensor.dtype).removeprefix('torch.')} {tuple(tensor.shape)}{grad}")
         else:
             parts.append(type(tensor).__name__)
     return ", ".join(parts)
 
 
+def _tracks_grad(tensor: Tensor) -> bool:
+    return torch.is_grad_enabled() and tensor.requires_grad
+
+
 def signature(tensors: Sequence[Tensor], dim: int) -> int:
-    """63-bit digest of everything except the gathered size that must match across ranks."""
+    """63-bit digest of everything except the gathered size that must match across ranks.
+
+    Whether autograd tracks each tensor is part of it: a rank whose gathered tensor has no
+    graph never enters the backward reduce-scatter that the other ranks wait in, so a mismatch
+    must fail here, loudly, rather than hang in backward.
+    """
     parts = []
     for tensor in tensors:
         dim_index = dim % tensor.ndim
         trailing = tuple(size for axis, size in enumerate(tensor.shape) if axis != dim_index)
-        parts.append((str(tensor.dtype), tensor.ndim, dim_index, trailing))
+        parts.append((str(tensor.dtype), tensor.ndim, dim_index, trailing, _tracks_grad(tensor)))
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
-def metadata_device(group: ProcessGroup | None) -> torch.device:
-    """Where a small control tensor must live for the group's backend."""
-    if dist.get_backend(group) == dist.Backend.NCCL:
+def metadata_device(tensors: Sequence[object], group: ProcessGroup | None) -> torch.device:
+    """Where the small control tensor must live: beside the data, which the backend serves.
+
+    The input's own device, not ``torch.cuda.current_device()``: a process that never called
+    ``torch.cuda.set_device`` would otherwise put every rank's metadata on ``cuda:0``. A rank
+    without a tensor (invalid input) falls back to what the backend needs.
+    """
+    first = tensors[0] if len(tensors) else None
+    if isinstance(first, Tensor):
+        return first.device
+    if "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -93,7 +111,7 @@ def agree_on_sizes(
         row = [_OK, checked[0].shape[dim], signature(checked, dim)]
     else:
         row = [_PROBLEM, 0, 0]
-    local = torch.tensor([row], dtype=torch.int64, device=metadata_device(group))
+    local = torch.tensor([row], dtype=torch.int64, device=metadata_device(tensors, group))
     table = local.new_empty((world_size, 3))
     _all_gather_single(table, local, group=group)
     rows = table.tolist()
@@ -115,15 +133,18 @@ def raise_disagreement(
     mine = (problem[0].__name__ if problem else "", problem[1] if problem else f"{describe(tensors)}, dim={dim}")
     everyone: list[tuple[str, str] | None] = [None] * world_size
     dist.all_gather_object(everyone, mine, group=group)
-    lines = []
-    kind: type[Exception] = ValueError
-    for rank, entry in enumerate(everyone):
-        error_name, text = cast(tuple[str, str], entry)
-        if error_name == "TypeError":
-            kind = TypeError
-        lines.append(f"  rank {rank}: {'ERROR ' if error_name else ''}{text}")
-    raise kind(
-        "all_gather: the ranks' inputs do not agree (each rank must pass a tensor; the dtype and every "
-        "dimension except the gathered one must match on all ranks, and so must any given sizes):\n"
-        + "\n".join(lines)
-    )
+    entries = [cast(tuple[str, str], entry) for entry in everyone]
+    lines = [f"  rank {rank}: {'ERROR ' if name else ''}{text}" for rank, (name, text) in enumerate(entries)]
+    failing = [rank for rank, (name, _) in enumerate(entries) if name]
+    if failing:
+        # A rank found its own input invalid: its message leads, raised with its type everywhere.
+        name, text = entries[failing[0]]
+        kind: type[Exception] = TypeError if name == "TypeError" else ValueError
+        headline = f"{text} (on rank {failing[0]}; raised on every rank of the group). Inputs per rank:"
+    else:
+        kind = ValueError
+        headline = (
+            "all_gather: the ranks' inputs do not agree: the dtype, every dimension except the gathered "
+            "one, and whether autograd tracks them must match on all ranks. Inputs per rank:"
+        )
+    raise kind(headline + "\n" + "\n".join(lines))

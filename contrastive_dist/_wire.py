@@ -45,8 +45,13 @@ def _to_wire(x: Tensor) -> Tensor:
     return x.contiguous() if wire_dtype is None else x.contiguous().view(wire_dtype)
 
 
-def _is_nccl(group: ProcessGroup | None) -> bool:
-    return dist.get_backend(group) == dist.Backend.NCCL
+def _on_accelerator(x: Tensor) -> bool:
+    """Accelerator tensors (NCCL and friends) take the single-collective routes; CPU ones (gloo) the measured ones.
+
+    Decided by the tensor, not the backend name: a group created as ``"cpu:gloo,cuda:nccl"``
+    serves both, and the device tells which of its backends runs the collective.
+    """
+    return x.device.type != "cpu"
 
 
 def _global_rank(group: ProcessGroup | None, rank: int) -> int:
@@ -62,7 +67,7 @@ def gather_rows(x: Tensor, sizes: Sequence[int], rank: int, group: ProcessGroup 
     world_size = len(sizes)
     wire = _to_wire(x)
     out = wire.new_empty((sum(sizes), *x.shape[1:]))
-    if _is_nccl(group):
+    if _on_accelerator(x):
         if min(sizes) == max(sizes):
             _all_gather_single(out, wire, group=group)
         else:
@@ -84,56 +89,63 @@ def gather_rows(x: Tensor, sizes: Sequence[int], rank: int, group: ProcessGroup 
     return out.view(x.dtype) if out.dtype != x.dtype else out
 
 
+STATUS_OK, STATUS_BAD_ROWS, STATUS_OK_WITH_GRAD = 0, 1, 2
+"""Status codes a rank sends with its rows when the caller gave ``sizes`` (small ints: exact in any dtype)."""
+
+
 def gather_rows_with_status(
-    x: Tensor, sizes: Sequence[int], rank: int, group: ProcessGroup | None, ok: bool
+    x: Tensor, sizes: Sequence[int], rank: int, group: ProcessGroup | None, status: int
 ) -> tuple[Tensor, list[int]]:
     """Like :func:`gather_rows`, with one status row per rank riding on the same transfers.
 
     Used when the caller promised ``sizes`` (no size exchange): a rank whose tensor does not
-    have ``sizes[rank]`` rows sends zeros of the promised size with a raised status instead,
-    so the transport never sees a size mismatch and *every* rank learns of the problem.
+    have ``sizes[rank]`` rows sends zeros of the promised size with ``STATUS_BAD_ROWS`` instead,
+    so the transport never sees a size mismatch and *every* rank learns of the problem. The
+    other codes say whether the rank's rows are tracked by autograd, which must agree too.
 
     Returns:
-        The gathered rows (meaningless if any status is raised) and the ranks whose status is raised.
+        The gathered rows (meaningless unless every status is OK) and every rank's status.
     """
     rest = x.shape[1:]
+    ok = status != STATUS_BAD_ROWS
     payload = _to_wire(x) if ok else _to_wire(x.new_zeros((sizes[rank], *rest)))
-    if _is_nccl(group):
-        return _gather_framed(payload, x.dtype, sizes, rank, group, ok)
+    if _on_accelerator(x):
+        return _gather_framed(payload, x.dtype, sizes, rank, group, status)
     # gloo: rank r broadcasts its rows plus one status row into out[start_r : start_r + n_r + 1].
     # That status row lands on the first row of rank r+1's block (or on the one spare row at the
     # end), is read, and is then overwritten by rank r+1's broadcast: no copy of the data, at the
     # price of broadcasting in order, one at a time.
     out = payload.new_empty((sum(sizes) + 1, *rest))
-    failed = []
+    statuses = []
     start = 0
     for owner, size in enumerate(sizes):
         block = out[start : start + size + 1]
         if owner == rank:
             block[:size] = payload
-            block[size] = 0 if ok else 1
+            block[size] = status
         dist.broadcast(block, src=_global_rank(group, owner), group=group)
-        if bool(block[size].ne(0).any()):
-            failed.append(owner)
+        statuses.append(int(block[size].flatten()[0]) if block[size].numel() else STATUS_OK)
         start += size
     data = out[:-1]
-    return (data.view(x.dtype) if data.dtype != x.dtype else data), failed
+    return (data.view(x.dtype) if data.dtype != x.dtype else data), statuses
 
 
 def _gather_framed(
-    payload: Tensor, dtype: torch.dtype, sizes: Sequence[int], rank: int, group: ProcessGroup | None, ok: bool
+    payload: Tensor, dtype: torch.dtype, sizes: Sequence[int], rank: int, group: ProcessGroup | None, status: int
 ) -> tuple[Tensor, list[int]]:
-    """NCCL: append the status row to every rank's rows, gather, drop the status rows (a copy)."""
+    """Accelerators: append the status row to every rank's rows, gather once, drop the status rows.
+
+    The final copy is cheap on an accelerator, cheaper than a second collective's latency.
+    """
     framed = payload.new_zeros((payload.shape[0] + 1, *payload.shape[1:]))
     framed[:-1] = payload
-    framed[-1] = 0 if ok else 1
+    framed[-1] = status
     framed_sizes = [size + 1 for size in sizes]
     received = gather_rows(framed, framed_sizes, rank, group)
-    ends = torch.tensor(framed_sizes).cumsum(0)
-    status_rows = received[ends - 1].reshape(len(sizes), -1)
-    failed = [int(r) for r in torch.nonzero(status_rows.ne(0).any(dim=1)).flatten().tolist()]
+    ends = torch.tensor(framed_sizes, device=received.device).cumsum(0)
+    statuses = [int(value) for value in received[ends - 1].reshape(len(sizes), -1)[:, 0].tolist()]
     data = torch.cat([segment[:-1] for segment in received.split(framed_sizes)])
-    return (data.view(dtype) if data.dtype != dtype else data), failed
+    return (data.view(dtype) if data.dtype != dtype else data), statuses
 
 
 def reduce_scatter_rows(grad: Tensor, sizes: Sequence[int], rank: int, group: ProcessGroup | None) -> Tensor:
@@ -145,7 +157,7 @@ def reduce_scatter_rows(grad: Tensor, sizes: Sequence[int], rank: int, group: Pr
     world_size = len(sizes)
     grad = grad.contiguous()
     local = sizes[rank]
-    if min(sizes) == max(sizes) and _is_nccl(group):
+    if min(sizes) == max(sizes) and _on_accelerator(grad):
         out = grad.new_empty((local, *grad.shape[1:]))
         _reduce_scatter_single(out, grad, group=group)
         return out

@@ -17,6 +17,9 @@ Slices follow ``torch.tensor_split``: a length ``L`` splits into ``W`` parts who
 differ by at most one, the first ``L % W`` ranks holding one more; lengths need not divide.
 Every op takes ``group=`` and is the identity on one rank or without a process group.
 
+The backward passes are raw collectives, so they are marked once-differentiable: asking for a
+second derivative (``create_graph=True``) raises instead of returning a wrong one.
+
 Contrast with :func:`contrastive_dist.all_gather`, whose backward *sums* the gradient over
 ranks: that is right for data parallelism, where each rank's loss differs; here the
 computation after ``gather_from_group`` is replicated, so each rank keeps its own slice.
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import get_rank, get_world_size
@@ -55,6 +59,7 @@ class _CopyToGroup(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
         return _all_reduce_sum(grad, ctx.group), None
 
@@ -65,6 +70,7 @@ class _ReduceFromGroup(torch.autograd.Function):
         return _all_reduce_sum(x, group)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
         return grad, None
 
@@ -78,6 +84,7 @@ class _ScatterToGroup(torch.autograd.Function):
         return x.tensor_split(world_size, dim=dim)[rank].contiguous()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
         with torch.no_grad():
             full = all_gather(grad, ctx.dim, group=ctx.group, sizes=ctx.sizes).tensor
@@ -93,6 +100,7 @@ class _GatherFromGroup(torch.autograd.Function):
         return gathered.tensor
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
         return grad.narrow(ctx.dim, ctx.start, ctx.length).contiguous(), None, None
 

@@ -18,17 +18,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._agreement import Problem, agree_on_sizes, local_problem, raise_disagreement
+from contrastive_dist._compiled import gather_compiled
 from contrastive_dist._dist import get_rank, get_world_size, start_offset
-from contrastive_dist._wire import gather_rows, gather_rows_with_status, reduce_scatter_rows
+from contrastive_dist._wire import (
+    STATUS_BAD_ROWS,
+    STATUS_OK,
+    STATUS_OK_WITH_GRAD,
+    gather_rows,
+    gather_rows_with_status,
+    reduce_scatter_rows,
+)
 
-__all__ = ["Gathered", "GatheredMany", "all_gather", "all_gather_many"]
+__all__ = ["Gathered", "GatheredMany", "all_gather", "all_gather_many", "raise_on_all_ranks"]
 
 
 class Gathered(NamedTuple):
@@ -78,19 +86,21 @@ class _GatherRows(torch.autograd.Function):
         sizes: tuple[int, ...],
         rank: int,
         group: ProcessGroup | None,
-        status: list[int] | None,
+        statuses: list[int] | None,
     ) -> Tensor:
         ctx.sizes, ctx.rank, ctx.group = sizes, rank, group
-        if status is None:
+        if statuses is None:
             return gather_rows(x, sizes, rank, group)
-        # Caller-given sizes: the row count is verified on the same collective; the failed
-        # ranks are reported through ``status`` so the caller can raise on every rank.
-        gathered, failed = gather_rows_with_status(x, sizes, rank, group, ok=not status)
-        status[:] = failed
+        # Caller-given sizes: ``statuses`` holds this rank's status code on the way in and every
+        # rank's on the way out (carried by the same transfers), so the caller can check them.
+        gathered, statuses[:] = gather_rows_with_status(x, sizes, rank, group, statuses[0])
         return gathered
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        # The reduce-scatter is a raw collective autograd cannot differentiate again; marking
+        # the backward makes ``create_graph=True`` raise instead of returning wrong results.
         return reduce_scatter_rows(grad, ctx.sizes, ctx.rank, ctx.group), None, None, None, None
 
 
@@ -108,9 +118,10 @@ def all_gather(
         dim: the dimension to gather along (negative values count from the end).
         group: the process group (default: the world).
         sizes: every rank's size along ``dim``, the same sequence on every rank, if already
-            known (e.g. from :class:`DistributedBatchSampler`). Skips the size exchange, so one
-            collective runs per call; a rank whose tensor does not match still makes every rank
-            raise. Required under ``torch.compile``.
+            known (e.g. from :class:`DistributedBatchSampler`). Skips the size exchange. Row
+            counts and whether autograd tracks the input are still verified on every rank (they
+            ride on the data transfers); dtype and trailing shape are *not* — they must match, as
+            promised. Required under ``torch.compile``, where nothing is verified.
 
     Returns:
         :class:`Gathered` ``(tensor, sizes, rank)``. Without an initialised process group, or
@@ -173,26 +184,49 @@ def all_gather_many(
             return GatheredMany(tensors, (local,), rank)
         if sizes is None:
             raise ValueError("all_gather under torch.compile needs sizes= (the size exchange is data-dependent)")
-        return _gather_compiled(tensors, dim, tuple(sizes), rank, group)
+        return GatheredMany(gather_compiled(tensors, dim, tuple(sizes), rank, group), tuple(sizes), rank)
 
     if sizes is None:
         known_sizes = agree_on_sizes(tensors, dim, problem, group, world_size)
-        return GatheredMany(_gather_eager(tensors, dim, known_sizes, rank, group, None), known_sizes, rank)
+        gathered, _ = _gather_eager(tensors, dim, known_sizes, rank, group, check_rows=False)
+        return GatheredMany(gathered, known_sizes, rank)
 
     known_sizes = tuple(sizes)
     if problem is not None:
         # This rank cannot build a buffer of the promised shape; the others will time out
         # in their collective. (Validate inputs before promising sizes.)
         raise problem[0](f"all_gather: {problem[1]}")
-    local = tensors[0].shape[dim]
-    status = [] if local == known_sizes[rank] else [rank]
-    if status:
-        problem = (ValueError, f"sizes[{rank}]={known_sizes[rank]} was given, but the input has {local} rows along "
-                   f"dim={dim}")
-    gathered = _gather_eager(tensors, dim, known_sizes, rank, group, status)
-    if status:
+    gathered, statuses = _gather_eager(tensors, dim, known_sizes, rank, group, check_rows=True)
+    if STATUS_BAD_ROWS in statuses or len(set(statuses)) > 1:
+        local = tensors[0].shape[dim]
+        if local != known_sizes[rank]:
+            problem = (ValueError, f"sizes[{rank}]={known_sizes[rank]} was given, but the input has {local} rows "
+                       f"along dim={dim}")
         raise_disagreement(tensors, dim, problem, group, world_size)
     return GatheredMany(gathered, known_sizes, rank)
+
+
+def raise_on_all_ranks(
+    error: Exception,
+    tensors: Sequence[object],
+    *,
+    group: ProcessGroup | None = None,
+    sizes: Sequence[int] | None = None,
+) -> NoReturn:
+    """Raise ``error``, found on this rank only, on every rank instead of leaving the others waiting.
+
+    For code built on :func:`all_gather` / :func:`all_gather_many` (the losses) that validates its
+    inputs before its first gather: call this in place of ``raise error``. The other ranks are
+    entering the gather's agreement exchange; this rank joins it with a problem flag, so all of
+    them raise the same error, which names this rank's message. With ``sizes`` given there is no
+    exchange to join: the error is raised here only (and the other ranks wait for their
+    collective's timeout), so validate inputs before promising sizes.
+    """
+    world_size = get_world_size(group)
+    if world_size == 1 or sizes is not None or torch.compiler.is_compiling():
+        raise error
+    agree_on_sizes(tensors, 0, (type(error), str(error)), group, world_size)
+    raise error  # not reached: agree_on_sizes raises on every rank when any rank has a problem
 
 
 def _sizes_problem(sizes: Sequence[int], world_size: int) -> Problem | None:
@@ -209,20 +243,35 @@ def _gather_eager(
     sizes: tuple[int, ...],
     rank: int,
     group: ProcessGroup | None,
-    status: list[int] | None,
-) -> tuple[Tensor, ...]:
-    """One collective per dtype; ``status`` (caller-given sizes only) collects failed ranks."""
+    *,
+    check_rows: bool,
+) -> tuple[tuple[Tensor, ...], list[int]]:
+    """One collective per dtype.
+
+    With ``check_rows`` (caller-given sizes) each collective also carries every rank's status:
+    whether its row count matches ``sizes`` and whether autograd tracks its rows. Returns the
+    gathered tensors and the statuses (stopping at the first collective where they disagree).
+    """
     rows = [tensor.movedim(dim, 0) for tensor in tensors]
     results: list[Tensor] = list(rows)
+    statuses: list[int] = []
+    rows_match = rows[0].shape[0] == sizes[rank]
     for indices in _indices_by_dtype(rows):
         members = [rows[i] for i in indices]
         packed = _pack(members)
-        gathered = _GatherRows.apply(packed, sizes, rank, group, status)
-        if status:
-            return tuple(results)  # failed: the caller raises on every rank
+        exchange: list[int] | None = None
+        if check_rows:
+            tracked = torch.is_grad_enabled() and any(member.requires_grad for member in members)
+            code = STATUS_OK_WITH_GRAD if tracked else STATUS_OK
+            exchange = [code if rows_match else STATUS_BAD_ROWS]
+        gathered = _GatherRows.apply(packed, sizes, rank, group, exchange)
+        if exchange is not None:
+            statuses = exchange
+            if STATUS_BAD_ROWS in statuses or len(set(statuses)) > 1:
+                return tuple(results), statuses  # the caller raises on every rank
         for index, piece in zip(indices, _unpack(gathered, members)):
             results[index] = piece.movedim(0, dim)
-    return tuple(results)
+    return tuple(results), statuses
 
 
 def _indices_by_dtype(rows: list[Tensor]) -> list[list[int]]:
@@ -248,26 +297,3 @@ def _unpack(gathered: Tensor, members: list[Tensor]) -> list[Tensor]:
         column_block.reshape(gathered.shape[0], *member.shape[1:])
         for column_block, member in zip(gathered.split(widths, dim=1), members)
     ]
-
-
-def _gather_compiled(
-    tensors: tuple[Tensor, ...], dim: int, sizes: tuple[int, ...], rank: int, group: ProcessGroup | None
-) -> GatheredMany:
-    """Traceable route for ``torch.compile``: functional collectives with their own autograd."""
-    import torch.distributed._functional_collectives as funcol
-
-    world_size = len(sizes)
-    process_group = cast(ProcessGroup, group if group is not None else torch.distributed.group.WORLD)
-    results = []
-    for tensor in tensors:
-        rows = tensor.movedim(dim, 0).contiguous()
-        if min(sizes) == max(sizes):
-            gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
-            gathered = gather(rows, 0, process_group)
-        else:
-            send = rows.repeat(world_size, *([1] * (rows.ndim - 1)))
-            gathered = funcol.all_to_all_single_autograd(
-                send, list(sizes), [sizes[rank]] * world_size, process_group
-            )
-        results.append(gathered.movedim(0, dim))
-    return GatheredMany(tuple(results), sizes, rank)

@@ -11,7 +11,7 @@ from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import is_distributed
 from contrastive_dist.gather import all_gather_many
-from contrastive_dist.losses._checks import check_pair
+from contrastive_dist.losses._checks import check_pair, validated_on_all_ranks
 
 __all__ = ["retrieval_accuracy"]
 
@@ -58,8 +58,9 @@ def retrieval_accuracy(
         (1.0, 1.0)
 
     """
-    image_features, text_features = check_pair("image_features", image_features, "text_features", text_features)
-    ks = _check_top_k(top_k)
+    with validated_on_all_ranks((image_features, text_features), group=group, sizes=sizes):
+        image_features, text_features = check_pair("image_features", image_features, "text_features", text_features)
+        ks = _check_top_k(top_k)
     gathered = all_gather_many((image_features.detach(), text_features.detach()), group=group, sizes=sizes)
     all_images, all_texts = gathered.tensors
     hits = torch.cat(

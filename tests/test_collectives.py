@@ -70,3 +70,39 @@ def test_one_process_is_the_identity():
         scatter_to_group(x, dim=2)
     with pytest.raises(TypeError, match="torch.Tensor"):
         gather_from_group([1, 2])  # type: ignore[arg-type]
+
+
+def check_uneven_gather_and_subgroup(rank: int, world_size: int) -> list[str]:
+    """gather_from_group with any per-rank lengths (one empty), in the world and in a subgroup."""
+    import torch.distributed as dist
+
+    failures = []
+    lengths = [3, 0, 2, 1][:world_size]
+    full = replicated(sum(lengths))
+    start = sum(lengths[:rank])
+    local = full.narrow(1, start, lengths[rank]).clone().requires_grad_(True)
+    whole = gather_from_group(local, dim=1)
+    if not torch.equal(whole.detach(), full):
+        failures.append("uneven gather forward")
+    upstream = torch.randn(full.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    (whole * upstream).sum().backward()
+    if not torch.equal(local.grad, upstream.narrow(1, start, lengths[rank])):
+        failures.append("uneven gather backward")
+    members = [1, 2, 3]
+    group = dist.new_group(members)
+    if rank in members:
+        position = members.index(rank)
+        piece = scatter_to_group(replicated(5, seed=1), dim=1, group=group)
+        if not torch.equal(piece, replicated(5, seed=1).tensor_split(3, dim=1)[position]):
+            failures.append("subgroup scatter")
+        if not torch.equal(gather_from_group(piece, dim=1, group=group), replicated(5, seed=1)):
+            failures.append("subgroup gather")
+        total = reduce_from_group(torch.ones(2, dtype=torch.float64), group=group)
+        if total.tolist() != [3.0, 3.0]:
+            failures.append(f"subgroup reduce {total.tolist()}")
+    dist.barrier()
+    return failures
+
+
+def test_uneven_lengths_and_a_subgroup(pool):
+    assert pool(4).run(check_uneven_gather_and_subgroup) == [[]] * 4

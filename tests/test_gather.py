@@ -139,7 +139,18 @@ def check_subgroup(rank: int, world_size: int) -> list[str]:
     return failures
 
 
-BAD_INPUTS = ["trailing", "ndim", "dtype", "not_tensor", "dim_range", "sizes_mismatch", "sizes_length"]
+BAD_INPUTS = [
+    "trailing",
+    "ndim",
+    "dtype",
+    "not_tensor",
+    "dim_range",
+    "sizes_mismatch",
+    "sizes_length",
+    "grad_mismatch",
+    "grad_mismatch_sizes",
+    "many_sizes_mismatch",
+]
 
 
 def raise_bad_input(rank: int, world_size: int, kind: str) -> None:
@@ -160,6 +171,14 @@ def raise_bad_input(rank: int, world_size: int, kind: str) -> None:
         x = torch.randn(3 if bad else 2, 3)
     elif kind == "sizes_length":
         sizes = [2] * (world_size + 1)
+    elif kind.startswith("grad_mismatch"):
+        # e.g. an empty rank that skipped its model: its gather would never join the backward.
+        x.requires_grad_(not bad)
+        sizes = [2] * world_size if kind.endswith("sizes") else None
+    elif kind == "many_sizes_mismatch":
+        rows = 3 if bad else 2
+        all_gather_many((torch.randn(rows, 3), torch.randn(rows, 2, 2)), sizes=[2] * world_size)
+        return
     all_gather(x, 5 if (kind == "dim_range" and bad) else 0, sizes=sizes)
 
 
@@ -194,6 +213,8 @@ def test_bad_input_raises_the_same_clear_error_on_every_rank(pool, kind):
     if kind != "sizes_length":
         assert len({str(error) for error in errors}) == 1, "ranks disagree on the message"
         assert "rank 1" in str(errors[0])
+    if kind.startswith("grad_mismatch"):
+        assert "autograd" in str(errors[0]) and "requires_grad" in str(errors[0])
     # Nothing was poisoned: the group still works.
     assert workers.run(gather_after_errors) == [[0, 1, 2]] * 3
 
@@ -234,3 +255,18 @@ def check_compiled_matches_eager(rank: int, world_size: int) -> list[str]:
 
 def test_torch_compile_fullgraph_with_given_sizes(pool):
     assert pool(3).run(check_compiled_matches_eager, timeout=120) == [[]] * 3
+
+
+def second_derivative(rank: int, world_size: int) -> str:
+    x = torch.randn(2, 3, requires_grad=True)
+    (grad,) = torch.autograd.grad(all_gather(x).tensor.pow(2).sum(), x, create_graph=True)
+    try:
+        grad.sum().backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_second_derivative_raises_instead_of_being_wrong(pool):
+    messages = pool(2).run(second_derivative)
+    assert all("once_differentiable" in message or "double backward" in message.lower() for message in messages)

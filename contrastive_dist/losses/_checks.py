@@ -3,11 +3,46 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
-__all__ = ["check_chunk_size", "check_features", "check_pair", "check_temperature", "resolve_scale", "scalar_tensor"]
+from contrastive_dist.gather import raise_on_all_ranks
+
+__all__ = [
+    "check_chunk_size",
+    "check_features",
+    "check_pair",
+    "check_temperature",
+    "compute_dtype",
+    "positive_scalar",
+    "resolve_scale",
+    "scalar_tensor",
+    "validated_on_all_ranks",
+]
+
+
+@contextmanager
+def validated_on_all_ranks(
+    tensors: Sequence[object], *, group: ProcessGroup | None, sizes: Sequence[int] | None
+) -> Iterator[None]:
+    """Run a loss's per-call checks so that a ``ValueError``/``TypeError`` is raised on every rank.
+
+    A check that fails on one rank only would otherwise leave the other ranks waiting in the
+    gather; ``tensors`` (what the loss would gather) describe this rank's inputs in the message.
+    """
+    try:
+        yield
+    except (ValueError, TypeError) as error:
+        raise_on_all_ranks(error, tensors, group=group, sizes=sizes)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the loss core runs in: float64 stays float64, everything else becomes float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def check_temperature(temperature: object) -> float:
@@ -60,21 +95,29 @@ def check_pair(first_name: str, first: object, second_name: str, second: object)
 
 
 def scalar_tensor(name: str, value: object, like: Tensor) -> Tensor:
-    """Turn a one-element tensor (kept in the graph) or a real number into a 0-d tensor like ``like``."""
+    """A one-element tensor (kept in the graph) or a real number as a 0-d tensor in ``like``'s compute dtype."""
+    dtype = compute_dtype(like.dtype)
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a scalar (one element), got shape {tuple(value.shape)}")
-        return value.reshape(()).to(dtype=like.dtype, device=like.device)
+        if not value.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor or a real number, got {value.dtype}")
+        return value.reshape(()).to(dtype=dtype, device=like.device)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a scalar tensor or a real number, got {type(value).__name__}")
-    return torch.tensor(float(value), dtype=like.dtype, device=like.device)
+    return torch.tensor(float(value), dtype=dtype, device=like.device)
 
 
 def resolve_scale(logit_scale: object, temperature: float, like: Tensor) -> Tensor:
     """Return the similarity multiplier: ``logit_scale`` if given (already exponentiated), else ``1/temperature``."""
     if logit_scale is None:
-        return torch.tensor(1.0 / temperature, dtype=like.dtype, device=like.device)
-    scale = scalar_tensor("logit_scale", logit_scale, like)
-    if not isinstance(logit_scale, Tensor) and not float(scale) > 0:
-        raise ValueError(f"logit_scale must be > 0 (it multiplies the similarities), got {logit_scale}")
+        return torch.tensor(1.0 / temperature, dtype=compute_dtype(like.dtype), device=like.device)
+    return positive_scalar("logit_scale", logit_scale, like)
+
+
+def positive_scalar(name: str, value: object, like: Tensor) -> Tensor:
+    """:func:`scalar_tensor`, and > 0 when given as a number (a tensor is not synced to check it)."""
+    scale = scalar_tensor(name, value, like)
+    if not isinstance(value, Tensor) and not float(scale) > 0:
+        raise ValueError(f"{name} must be > 0 (it multiplies the similarities), got {value}")
     return scale

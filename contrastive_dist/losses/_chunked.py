@@ -14,20 +14,25 @@ logits exist at once. Because the result is a sum, its upstream gradient is one 
 gradients are formed block by block during the forward pass (the same three matrix products
 per block as autograd would run) and only multiplied by that scalar in backward. Recomputing
 the logits in backward instead costs a fourth product per block and measured slower on CPU
-(see ``benchmarks/losses.py``); it is kept behind ``_GRADIENTS_IN_FORWARD`` for that comparison.
+(the ``clip_chunk256_recompute`` row of ``benchmarks/losses.py``, which holds that variant).
+
+**Precision.** The core runs in float32 (float64 inputs stay float64) with autocast off: the
+inputs are upcast with differentiable casts, so their gradients come back in their own dtype,
+and the returned sum is float32. Half-precision logits, sums and gradient accumulators would
+overflow (fp16) or drift by percents over many blocks (bf16).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["contract_factor", "local_cross_entropy_sum", "sum_logsumexp"]
+from contrastive_dist.losses._checks import compute_dtype
 
-_GRADIENTS_IN_FORWARD = True
-"""Form gradients in forward (3 products per block) rather than recompute them in backward (4)."""
+__all__ = ["contract_factor", "full_precision", "local_cross_entropy_sum", "sum_logsumexp", "upcast"]
 
 
 def contract_factor(count: int, world_size: int) -> float:
@@ -37,6 +42,18 @@ def contract_factor(count: int, world_size: int) -> float:
     still connected to the gathered tensors (every rank then still runs the backward collective).
     """
     return world_size / count if count > 0 else 0.0
+
+
+def full_precision(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Autocast off for ``device``: the loss core chooses its own dtype (see :func:`upcast`)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def upcast(tensor: Tensor) -> Tensor:
+    """``tensor`` in the core's dtype (float64 stays, the rest becomes float32); differentiable."""
+    return tensor.to(compute_dtype(tensor.dtype))
 
 
 def local_cross_entropy_sum(
@@ -52,10 +69,12 @@ def local_cross_entropy_sum(
 
     Shape:
         queries: ``(n, D)``; keys: ``(N, D)``; scale: ``()``; positive_keys: ``(n, D)``;
-        excluded: ``(n,)`` column indices into ``keys``; output: ``()``.
+        excluded: ``(n,)`` column indices into ``keys``; output: ``()``, float32 or float64.
     """
-    positive_logits = (queries * positive_keys).sum() * scale
-    return sum_logsumexp(queries, keys, scale, excluded=excluded, chunk_size=chunk_size) - positive_logits
+    with full_precision(queries.device):
+        queries, keys, positive_keys = upcast(queries), upcast(keys), upcast(positive_keys)
+        positive_logits = (queries * positive_keys).sum() * scale.to(queries.dtype)
+        return sum_logsumexp(queries, keys, scale, excluded=excluded, chunk_size=chunk_size) - positive_logits
 
 
 def sum_logsumexp(
@@ -71,13 +90,15 @@ def sum_logsumexp(
         # One block of all rows: the same fused kernel, which measured faster than autograd's
         # logsumexp (one exp pass instead of two, no softmax re-materialised in backward).
         chunk_size = max(queries.shape[0], 1)
-    want_gradients = torch.is_grad_enabled() and any(t.requires_grad for t in (queries, keys, scale))
-    if _GRADIENTS_IN_FORWARD:
-        return _LogSumExpGradInForward.apply(queries, keys, scale, excluded, chunk_size, want_gradients)
-    return _LogSumExpRecompute.apply(queries, keys, scale, excluded, chunk_size)
+    with full_precision(queries.device):
+        queries, keys = upcast(queries), upcast(keys)
+        scale = scale.to(queries.dtype)
+        # One flag per input: a key side without gradient skips its N × D accumulator and product.
+        wanted = tuple(torch.is_grad_enabled() and t.requires_grad for t in (queries, keys, scale))
+        return _LogSumExpGradInForward.apply(queries, keys, scale, excluded, chunk_size, *wanted)
 
 
-def _block_logits(
+def block_logits(
     queries: Tensor, keys: Tensor, scale: Tensor, excluded: Tensor | None, start: int, stop: int
 ) -> Tensor:
     """Logits of query rows ``start:stop`` against every key, excluded entries at ``-inf``."""
@@ -87,13 +108,20 @@ def _block_logits(
     return logits
 
 
-def _block_gradients(
-    probabilities: Tensor, queries: Tensor, keys: Tensor, scale: Tensor, start: int, stop: int, key_grad: Tensor
+def block_gradients(
+    probabilities: Tensor,
+    queries: Tensor,
+    keys: Tensor,
+    scale: Tensor,
+    start: int,
+    stop: int,
+    key_grad: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """For one row block with softmax ``P``: ``(P @ K, Σ q⊙(P @ K))``; adds ``s·Pᵀ q`` into ``key_grad``."""
     weighted_keys = probabilities @ keys
     block_queries = queries[start:stop]
-    key_grad.addmm_(probabilities.T, block_queries * scale)
+    if key_grad is not None:
+        key_grad.addmm_(probabilities.T, block_queries * scale)
     return weighted_keys, (block_queries * weighted_keys).sum()
 
 
@@ -108,16 +136,18 @@ class _LogSumExpGradInForward(torch.autograd.Function):
         scale: Tensor,
         excluded: Tensor | None,
         chunk_size: int,
-        want_gradients: bool,
+        want_query: bool,
+        want_key: bool,
+        want_scale: bool,
     ) -> Tensor:
         total = queries.new_zeros(())
-        query_grad = torch.empty_like(queries) if want_gradients else None
-        key_grad = torch.zeros_like(keys) if want_gradients else None
-        scale_grad = queries.new_zeros(())
+        query_grad = torch.empty_like(queries) if want_query else None
+        key_grad = torch.zeros_like(keys) if want_key else None
+        scale_grad = queries.new_zeros(()) if want_scale else None
         for start in range(0, queries.shape[0], chunk_size):
             stop = min(start + chunk_size, queries.shape[0])
-            logits = _block_logits(queries, keys, scale, excluded, start, stop)
-            if query_grad is None or key_grad is None:
+            logits = block_logits(queries, keys, scale, excluded, start, stop)
+            if not (want_query or want_key or want_scale):
                 total += torch.logsumexp(logits, dim=1).sum()
                 continue
             # One exp pass serves both the logsumexp and the softmax: exp(logits - row max) in
@@ -126,54 +156,19 @@ class _LogSumExpGradInForward(torch.autograd.Function):
             row_sum = logits.sub_(row_max).exp_().sum(dim=1, keepdim=True)
             total += (row_max + row_sum.log()).sum()
             probabilities = logits.div_(row_sum)  # reuses the logits' memory
-            weighted_keys, scale_part = _block_gradients(probabilities, queries, keys, scale, start, stop, key_grad)
-            query_grad[start:stop] = weighted_keys * scale
-            scale_grad += scale_part
+            if not (want_query or want_scale):
+                key_grad.addmm_(probabilities.T, queries[start:stop] * scale)  # type: ignore[union-attr]
+                continue
+            weighted_keys, scale_part = block_gradients(probabilities, queries, keys, scale, start, stop, key_grad)
+            if query_grad is not None:
+                query_grad[start:stop] = weighted_keys * scale
+            if scale_grad is not None:
+                scale_grad += scale_part
         ctx.save_for_backward(query_grad, key_grad, scale_grad)
-        ctx.scale_dtype = scale.dtype
         return total
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        query_grad, key_grad, scale_grad = ctx.saved_tensors
-        if query_grad is None:
-            raise RuntimeError("sum_logsumexp: gradients were not formed in forward (it ran without grad mode)")
-        return (
-            query_grad * grad_output,
-            key_grad * grad_output,
-            (scale_grad * grad_output).to(ctx.scale_dtype),
-            None,
-            None,
-            None,
-        )
-
-
-class _LogSumExpRecompute(torch.autograd.Function):
-    """Row-block logsumexp that keeps only per-row results and recomputes the logits in backward."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, queries: Tensor, keys: Tensor, scale: Tensor, excluded: Tensor | None, chunk_size: int
-    ) -> Tensor:
-        row_lse = queries.new_empty(queries.shape[0])
-        for start in range(0, queries.shape[0], chunk_size):
-            stop = min(start + chunk_size, queries.shape[0])
-            row_lse[start:stop] = torch.logsumexp(_block_logits(queries, keys, scale, excluded, start, stop), dim=1)
-        ctx.save_for_backward(queries, keys, scale, excluded, row_lse)
-        ctx.chunk_size = chunk_size
-        return row_lse.sum()
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        queries, keys, scale, excluded, row_lse = ctx.saved_tensors
-        query_grad = torch.empty_like(queries)
-        key_grad = torch.zeros_like(keys)
-        scale_grad = queries.new_zeros(())
-        for start in range(0, queries.shape[0], ctx.chunk_size):
-            stop = min(start + ctx.chunk_size, queries.shape[0])
-            logits = _block_logits(queries, keys, scale, excluded, start, stop)
-            probabilities = logits.sub_(row_lse[start:stop, None]).exp_()
-            weighted_keys, scale_part = _block_gradients(probabilities, queries, keys, scale, start, stop, key_grad)
-            query_grad[start:stop] = weighted_keys * scale
-            scale_grad += scale_part
-        return query_grad * grad_output, key_grad * grad_output, scale_grad * grad_output, None, None
+        grads = tuple(None if grad is None else grad * grad_output for grad in ctx.saved_tensors)
+        return (*grads, None, None, None, None, None)

@@ -9,7 +9,13 @@ from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import get_world_size
 from contrastive_dist.gather import all_gather_many
-from contrastive_dist.losses._checks import check_chunk_size, check_pair, check_temperature, resolve_scale
+from contrastive_dist.losses._checks import (
+    check_chunk_size,
+    check_pair,
+    check_temperature,
+    resolve_scale,
+    validated_on_all_ranks,
+)
 from contrastive_dist.losses._chunked import contract_factor, local_cross_entropy_sum
 
 __all__ = ["DistributedInfoNCE", "info_nce"]
@@ -51,7 +57,9 @@ def info_nce(
         sizes: every rank's batch size, if known (skips the size exchange).
 
     Returns:
-        A scalar tensor: this rank's share of the global loss (0 for an empty global batch).
+        A scalar tensor: this rank's share of the global loss (0 for an empty global batch),
+        float32 (float64 for float64 features): the core runs in float32 with autocast off,
+        so fp16/bf16 features and ``torch.autocast`` work; gradients come back in the inputs' dtypes.
 
     Shape:
         image_features, text_features: ``(n_r, D)``; logit_scale: ``()``; output: ``()``.
@@ -69,11 +77,12 @@ def info_nce(
         (torch.Size([]), True)
 
     """
-    image_features, text_features = check_pair("image_features", image_features, "text_features", text_features)
-    scale = resolve_scale(logit_scale, check_temperature(temperature), image_features)
-    chunk_size = check_chunk_size(chunk_size)
-    if not isinstance(symmetric, bool):
-        raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
+    with validated_on_all_ranks((image_features, text_features), group=group, sizes=sizes):
+        image_features, text_features = check_pair("image_features", image_features, "text_features", text_features)
+        scale = resolve_scale(logit_scale, check_temperature(temperature), image_features)
+        chunk_size = check_chunk_size(chunk_size)
+        if not isinstance(symmetric, bool):
+            raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
     world_size = get_world_size(group)
     if not symmetric:
         gathered = all_gather_many((text_features,), group=group, sizes=sizes)

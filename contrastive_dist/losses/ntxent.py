@@ -11,8 +11,14 @@ from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import get_world_size
 from contrastive_dist.gather import all_gather_many
-from contrastive_dist.losses._checks import check_chunk_size, check_pair, check_temperature
-from contrastive_dist.losses._chunked import contract_factor, local_cross_entropy_sum
+from contrastive_dist.losses._checks import (
+    check_chunk_size,
+    check_pair,
+    check_temperature,
+    resolve_scale,
+    validated_on_all_ranks,
+)
+from contrastive_dist.losses._chunked import contract_factor, full_precision, local_cross_entropy_sum, upcast
 
 __all__ = ["NTXentLoss", "nt_xent"]
 
@@ -20,6 +26,7 @@ __all__ = ["NTXentLoss", "nt_xent"]
 def nt_xent(
     z1: Tensor,
     z2: Tensor,
+    logit_scale: Tensor | float | None = None,
     *,
     temperature: float = 0.5,
     chunk_size: int | None = None,
@@ -41,16 +48,20 @@ def nt_xent(
     Args:
         z1: first view's embeddings of this rank's samples.
         z2: second view's embeddings, row ``i`` the same sample as ``z1[i]``.
-        temperature: divides the cosine similarities; > 0.
+        logit_scale: multiplies the cosine similarities, already exponentiated (e.g. a learnable
+            ``model.logit_scale.exp()``); receives gradients. Default ``1 / temperature``.
+        temperature: divides the cosine similarities when ``logit_scale`` is ``None``; > 0.
         chunk_size: anchors per block (at most ``chunk_size × 2N`` logits at once); same result.
         group: the process group (default: the world).
         sizes: every rank's batch size, if known (skips the size exchange).
 
     Returns:
-        A scalar tensor: this rank's share of the global loss (0 for an empty global batch).
+        A scalar tensor: this rank's share of the global loss (0 for an empty global batch),
+        float32 (float64 for float64 inputs): the core runs in float32 with autocast off;
+        gradients come back in the inputs' dtypes.
 
     Shape:
-        z1, z2: ``(n_r, D)``; output: ``()``.
+        z1, z2: ``(n_r, D)``; logit_scale: ``()``; output: ``()``.
 
     Example:
         >>> import torch
@@ -62,24 +73,28 @@ def nt_xent(
         torch.Size([4, 16])
 
     """
-    z1, z2 = check_pair("z1", z1, "z2", z2)
-    scale = torch.tensor(1.0 / check_temperature(temperature), dtype=z1.dtype, device=z1.device)
-    chunk_size = check_chunk_size(chunk_size)
-    z1, z2 = F.normalize(z1, dim=-1), F.normalize(z2, dim=-1)
+    with validated_on_all_ranks((z1, z2), group=group, sizes=sizes):
+        z1, z2 = check_pair("z1", z1, "z2", z2)
+        scale = resolve_scale(logit_scale, check_temperature(temperature), z1)
+        chunk_size = check_chunk_size(chunk_size)
     gathered = all_gather_many((z1, z2), group=group, sizes=sizes)
     total = sum(gathered.sizes)
-    # Columns: every rank's first views, then every rank's second views (the single-process
-    # order cat(z1, z2) when W = 1). Local anchor i of view 1 is column offset + i.
-    keys = torch.cat(gathered.tensors)
-    own_columns = torch.arange(gathered.offset, gathered.offset + z1.shape[0], device=z1.device)
-    loss_sum = local_cross_entropy_sum(
-        torch.cat((z1, z2)),
-        keys,
-        scale,
-        torch.cat((z2, z1)),
-        excluded=torch.cat((own_columns, own_columns + total)),
-        chunk_size=chunk_size,
-    )
+    with full_precision(z1.device):
+        # Normalised after the gather, in the core's dtype: rows are normalised one by one, so
+        # this is the same loss, and bf16/fp16 inputs lose nothing to a rounded unit vector.
+        # Columns: every rank's first views, then every rank's second views (the single-process
+        # order cat(z1, z2) when W = 1). Local anchor i of view 1 is column offset + i.
+        keys = F.normalize(upcast(torch.cat(gathered.tensors)), dim=-1)
+        u1, u2 = F.normalize(upcast(z1), dim=-1), F.normalize(upcast(z2), dim=-1)
+        own_columns = torch.arange(gathered.offset, gathered.offset + z1.shape[0], device=z1.device)
+        loss_sum = local_cross_entropy_sum(
+            torch.cat((u1, u2)),
+            keys,
+            scale,
+            torch.cat((u2, u1)),
+            excluded=torch.cat((own_columns, own_columns + total)),
+            chunk_size=chunk_size,
+        )
     return loss_sum * contract_factor(2 * total, get_world_size(group))
 
 
@@ -87,12 +102,12 @@ class NTXentLoss(nn.Module):
     """SimCLR's NT-Xent loss over the global batch; holds the options of :func:`nt_xent`.
 
     Args:
-        temperature: divides the cosine similarities; > 0.
+        temperature: divides the cosine similarities when ``forward`` gets no ``logit_scale``; > 0.
         chunk_size: anchors per block (bounded memory, same result); ``None``: all at once.
         group: the process group (default: the world).
 
     Shape:
-        z1, z2: ``(n_r, D)``; output: ``()``.
+        z1, z2: ``(n_r, D)``; logit_scale: ``()``; output: ``()``.
 
     Example:
         >>> import torch
@@ -111,9 +126,24 @@ class NTXentLoss(nn.Module):
         self.chunk_size = check_chunk_size(chunk_size)
         self.group = group
 
-    def forward(self, z1: Tensor, z2: Tensor, *, sizes: Sequence[int] | None = None) -> Tensor:
+    def forward(
+        self,
+        z1: Tensor,
+        z2: Tensor,
+        logit_scale: Tensor | float | None = None,
+        *,
+        sizes: Sequence[int] | None = None,
+    ) -> Tensor:
         """Return this rank's share of the loss; see :func:`nt_xent`."""
-        return nt_xent(z1, z2, temperature=self.temperature, chunk_size=self.chunk_size, group=self.group, sizes=sizes)
+        return nt_xent(
+            z1,
+            z2,
+            logit_scale,
+            temperature=self.temperature,
+            chunk_size=self.chunk_size,
+            group=self.group,
+            sizes=sizes,
+        )
 
     def extra_repr(self) -> str:
         """Show the options in ``repr``."""

@@ -12,8 +12,14 @@ from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import get_world_size
 from contrastive_dist.gather import all_gather
-from contrastive_dist.losses._checks import check_chunk_size, check_pair, scalar_tensor
-from contrastive_dist.losses._chunked import contract_factor
+from contrastive_dist.losses._checks import (
+    check_chunk_size,
+    check_pair,
+    positive_scalar,
+    scalar_tensor,
+    validated_on_all_ranks,
+)
+from contrastive_dist.losses._chunked import contract_factor, full_precision, upcast
 
 __all__ = ["SigLIPLoss", "siglip"]
 
@@ -44,14 +50,17 @@ def siglip(
     Args:
         image_features: this rank's image embeddings.
         text_features: this rank's text embeddings, row ``i`` paired with image row ``i``.
-        logit_scale: similarity multiplier, already exponentiated (learnable, like SigLIP's ``t``).
+        logit_scale: similarity multiplier, already exponentiated (learnable, like SigLIP's
+            ``t``); > 0 when given as a number.
         logit_bias: added to every logit (learnable ``b``; SigLIP initialises it at −10).
         chunk_size: image rows per block; same value and gradients.
         group: the process group (default: the world).
         sizes: every rank's batch size, if known (skips the size exchange).
 
     Returns:
-        A scalar tensor: this rank's share of the global loss (0 for an empty global batch).
+        A scalar tensor: this rank's share of the global loss (0 for an empty global batch),
+        float32 (float64 for float64 features): the core runs in float32 with autocast off;
+        gradients come back in the inputs' dtypes.
 
     Shape:
         image_features, text_features: ``(n_r, D)``; logit_scale, logit_bias: ``()``; output: ``()``.
@@ -66,25 +75,25 @@ def siglip(
         torch.Size([])
 
     """
-    image_features, text_features = check_pair("image_features", image_features, "text_features", text_features)
-    scale = scalar_tensor("logit_scale", logit_scale, image_features)
-    bias = scalar_tensor("logit_bias", logit_bias, image_features)
-    chunk_size = check_chunk_size(chunk_size)
+    with validated_on_all_ranks((image_features, text_features), group=group, sizes=sizes):
+        image_features, text_features = check_pair("image_features", image_features, "text_features", text_features)
+        scale = positive_scalar("logit_scale", logit_scale, image_features)
+        bias = scalar_tensor("logit_bias", logit_bias, image_features)
+        chunk_size = check_chunk_size(chunk_size)
     gathered = all_gather(text_features, group=group, sizes=sizes)
     factor = contract_factor(sum(gathered.sizes), get_world_size(group))
-    if chunk_size is None:
-        logits = (image_features * scale) @ gathered.tensor.T + bias
-        rows = torch.arange(image_features.shape[0], device=logits.device)
-        signs = -torch.ones_like(logits)
-        signs[rows, rows + gathered.offset] = 1.0
-        return F.softplus(-signs * logits).sum() * factor
-    want_gradients = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (image_features, gathered.tensor, scale, bias)
-    )
-    total = _SigmoidPairsSum.apply(
-        image_features, gathered.tensor, scale, bias, gathered.offset, chunk_size, want_gradients
-    )
-    return total * factor
+    with full_precision(image_features.device):
+        images, texts = upcast(image_features), upcast(gathered.tensor)
+        if chunk_size is None:
+            logits = (images * scale) @ texts.T + bias
+            rows = torch.arange(images.shape[0], device=logits.device)
+            signs = -torch.ones_like(logits)
+            signs[rows, rows + gathered.offset] = 1.0
+            return F.softplus(-signs * logits).sum() * factor
+        # One flag per input: a side without gradient skips its accumulator and product.
+        wanted = tuple(torch.is_grad_enabled() and t.requires_grad for t in (images, texts, scale, bias))
+        total = _SigmoidPairsSum.apply(images, texts, scale, bias, gathered.offset, chunk_size, *wanted)
+        return total * factor
 
 
 class _SigmoidPairsSum(torch.autograd.Function):
@@ -99,12 +108,16 @@ class _SigmoidPairsSum(torch.autograd.Function):
         bias: Tensor,
         offset: int,
         chunk_size: int,
-        want_gradients: bool,
+        want_image: bool,
+        want_text: bool,
+        want_scale: bool,
+        want_bias: bool,
     ) -> Tensor:
         total = images.new_zeros(())
-        image_grad = torch.empty_like(images) if want_gradients else None
-        text_grad = torch.zeros_like(texts) if want_gradients else None
-        scale_grad, bias_grad = images.new_zeros(()), images.new_zeros(())
+        image_grad = torch.empty_like(images) if want_image else None
+        text_grad = torch.zeros_like(texts) if want_text else None
+        scale_grad = images.new_zeros(()) if want_scale else None
+        bias_grad = images.new_zeros(()) if want_bias else None
         for start in range(0, images.shape[0], chunk_size):
             stop = min(start + chunk_size, images.shape[0])
             scaled_images = images[start:stop] * scale
@@ -113,26 +126,30 @@ class _SigmoidPairsSum(torch.autograd.Function):
             matches = (rows, rows + offset + start)
             margins[matches] = -margins[matches]
             total += F.softplus(margins).sum()
-            if image_grad is None or text_grad is None:
+            if not (want_image or want_text or want_scale or want_bias):
                 continue
             # d softplus(−z·l)/dl = −z·σ(−z·l): σ(margin) off the diagonal, −σ(margin) on it.
             logit_grad = margins.sigmoid_()
             logit_grad[matches] = -logit_grad[matches]
+            if text_grad is not None:
+                text_grad.addmm_(logit_grad.T, scaled_images)
+            if bias_grad is not None:
+                bias_grad += logit_grad.sum()
+            if image_grad is None and scale_grad is None:
+                continue
             weighted_texts = logit_grad @ texts
-            image_grad[start:stop] = weighted_texts * scale
-            text_grad.addmm_(logit_grad.T, scaled_images)
-            scale_grad += (images[start:stop] * weighted_texts).sum()
-            bias_grad += logit_grad.sum()
+            if image_grad is not None:
+                image_grad[start:stop] = weighted_texts * scale
+            if scale_grad is not None:
+                scale_grad += (images[start:stop] * weighted_texts).sum()
         ctx.save_for_backward(image_grad, text_grad, scale_grad, bias_grad)
         return total
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        image_grad, text_grad, scale_grad, bias_grad = ctx.saved_tensors
-        if image_grad is None:
-            raise RuntimeError("siglip: gradients were not formed in forward (it ran without grad mode)")
-        grads = (image_grad, text_grad, scale_grad, bias_grad)
-        return (*(grad * grad_output for grad in grads), None, None, None)
+        grads = tuple(None if grad is None else grad * grad_output for grad in ctx.saved_tensors)
+        return (*grads, None, None, None, None, None, None)
 
 
 class SigLIPLoss(nn.Module):

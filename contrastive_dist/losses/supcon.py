@@ -10,8 +10,14 @@ from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import get_world_size
 from contrastive_dist.gather import all_gather_many
-from contrastive_dist.losses._checks import check_chunk_size, check_features, check_temperature
-from contrastive_dist.losses._chunked import local_cross_entropy_sum
+from contrastive_dist.losses._checks import (
+    check_chunk_size,
+    check_features,
+    check_temperature,
+    resolve_scale,
+    validated_on_all_ranks,
+)
+from contrastive_dist.losses._chunked import full_precision, local_cross_entropy_sum, upcast
 
 __all__ = ["SupConLoss", "supcon"]
 
@@ -19,6 +25,7 @@ __all__ = ["SupConLoss", "supcon"]
 def supcon(
     features: Tensor,
     labels: Tensor,
+    logit_scale: Tensor | float | None = None,
     *,
     temperature: float = 0.1,
     chunk_size: int | None = None,
@@ -46,16 +53,20 @@ def supcon(
     Args:
         features: this rank's embeddings, one view ``(n_r, D)`` or several ``(n_r, V, D)``.
         labels: integer class of each sample (shared by its views).
-        temperature: divides the similarities; > 0.
+        logit_scale: multiplies the similarities, already exponentiated (e.g. a learnable
+            ``model.logit_scale.exp()``); receives gradients. Default ``1 / temperature``.
+        temperature: divides the similarities when ``logit_scale`` is ``None``; > 0.
         chunk_size: anchors per block (at most ``chunk_size × N·V`` logits at once); same result.
         group: the process group (default: the world).
         sizes: every rank's batch size ``n_r``, if known (skips the size exchange).
 
     Returns:
-        A scalar tensor: this rank's share of the global loss.
+        A scalar tensor: this rank's share of the global loss, float32 (float64 for float64
+        features): the core runs in float32 with autocast off; gradients come back in the
+        features' dtype.
 
     Shape:
-        features: ``(n_r, D)`` or ``(n_r, V, D)``; labels: ``(n_r,)``; output: ``()``.
+        features: ``(n_r, D)`` or ``(n_r, V, D)``; labels: ``(n_r,)``; logit_scale: ``()``; output: ``()``.
 
     Example:
         >>> import torch
@@ -68,34 +79,38 @@ def supcon(
         torch.Size([6, 2, 8])
 
     """
-    features = check_features("features", features, ndims=(2, 3))
-    _check_labels(labels, features.shape[0])
-    scale = torch.tensor(1.0 / check_temperature(temperature), dtype=features.dtype, device=features.device)
-    chunk_size = check_chunk_size(chunk_size)
+    with validated_on_all_ranks((features, labels), group=group, sizes=sizes):
+        features = check_features("features", features, ndims=(2, 3))
+        _check_labels(labels, features.shape[0])
+        scale = resolve_scale(logit_scale, check_temperature(temperature), features)
+        chunk_size = check_chunk_size(chunk_size)
     gathered = all_gather_many((features, labels), group=group, sizes=sizes)
     all_features, all_labels = gathered.tensors
     views = 1 if features.ndim == 2 else features.shape[1]
     dim = features.shape[-1]
-    # One row per embedding, sample-major: the embedding (sample s, view v) is row s·V + v.
-    keys = all_features.reshape(-1, dim)
-    queries = features.reshape(-1, dim)
     classes, key_class = torch.unique(all_labels.repeat_interleave(views), return_inverse=True)
     class_counts = torch.bincount(key_class, minlength=classes.numel())
     positives_per_key = class_counts[key_class] - 1
     anchors_with_positives = (positives_per_key > 0).sum()
-
     first_local_key = gathered.offset * views
-    local_positives = positives_per_key[first_local_key : first_local_key + queries.shape[0]]
-    anchor_rows = torch.nonzero(local_positives > 0).flatten()
-    anchor_keys = anchor_rows + first_local_key
-    class_sums = keys.new_zeros(classes.numel(), dim).index_add(0, key_class, keys)
-    # Σ_{p ∈ P(a)} f_p = (sum of the anchor's class) − f_a; dividing by |P(a)| makes it a mean.
-    positive_means = (class_sums[key_class[anchor_keys]] - keys[anchor_keys]) / local_positives[anchor_rows, None]
-    loss_sum = local_cross_entropy_sum(
-        queries[anchor_rows], keys, scale, positive_means, excluded=anchor_keys, chunk_size=chunk_size
-    )
-    # W / A as a tensor (no host sync); A = 0 means no rank has an anchor and loss_sum is 0.
-    return loss_sum * (get_world_size(group) / anchors_with_positives.clamp(min=1).to(features.dtype))
+    with full_precision(features.device):
+        # One row per embedding, sample-major: the embedding (sample s, view v) is row s·V + v.
+        # In the core's dtype from here on: the class sums add up many embeddings.
+        keys = upcast(all_features.reshape(-1, dim))
+        queries = upcast(features.reshape(-1, dim))
+        local_positives = positives_per_key[first_local_key : first_local_key + queries.shape[0]]
+        anchor_rows = torch.nonzero(local_positives > 0).flatten()
+        anchor_keys = anchor_rows + first_local_key
+        class_sums = keys.new_zeros(classes.numel(), dim).index_add(0, key_class, keys)
+        # Σ_{p ∈ P(a)} f_p = (sum of the anchor's class) − f_a; dividing by |P(a)| makes it a mean.
+        positive_sums = class_sums[key_class[anchor_keys]] - keys[anchor_keys]
+        positive_means = positive_sums / local_positives[anchor_rows, None].to(keys.dtype)
+        loss_sum = local_cross_entropy_sum(
+            queries[anchor_rows], keys, scale, positive_means, excluded=anchor_keys, chunk_size=chunk_size
+        )
+        # W / A as a tensor (no host sync), in the core's dtype (A is exact there, unlike in
+        # bf16 above 256); A = 0 means no rank has an anchor and loss_sum is 0.
+        return loss_sum * (get_world_size(group) / anchors_with_positives.clamp(min=1).to(loss_sum.dtype))
 
 
 def _check_labels(labels: object, batch_size: int) -> None:
@@ -111,12 +126,12 @@ class SupConLoss(nn.Module):
     """Supervised contrastive loss over the global batch; holds the options of :func:`supcon`.
 
     Args:
-        temperature: divides the similarities; > 0.
+        temperature: divides the similarities when ``forward`` gets no ``logit_scale``; > 0.
         chunk_size: anchors per block (bounded memory, same result); ``None``: all at once.
         group: the process group (default: the world).
 
     Shape:
-        features: ``(n_r, D)`` or ``(n_r, V, D)``; labels: ``(n_r,)``; output: ``()``.
+        features: ``(n_r, D)`` or ``(n_r, V, D)``; labels: ``(n_r,)``; logit_scale: ``()``; output: ``()``.
 
     Example:
         >>> import torch
@@ -136,10 +151,23 @@ class SupConLoss(nn.Module):
         self.chunk_size = check_chunk_size(chunk_size)
         self.group = group
 
-    def forward(self, features: Tensor, labels: Tensor, *, sizes: Sequence[int] | None = None) -> Tensor:
+    def forward(
+        self,
+        features: Tensor,
+        labels: Tensor,
+        logit_scale: Tensor | float | None = None,
+        *,
+        sizes: Sequence[int] | None = None,
+    ) -> Tensor:
         """Return this rank's share of the loss; see :func:`supcon`."""
         return supcon(
-            features, labels, temperature=self.temperature, chunk_size=self.chunk_size, group=self.group, sizes=sizes
+            features,
+            labels,
+            logit_scale,
+            temperature=self.temperature,
+            chunk_size=self.chunk_size,
+            group=self.group,
+            sizes=sizes,
         )
 
     def extra_repr(self) -> str:
