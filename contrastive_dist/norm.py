@@ -99,8 +99,13 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"momentum must be None or a float in [0, 1], got {momentum!r}")
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.group = group
+        # Input ranks accepted; a layer converted from BatchNorm1d/2d/3d keeps that class's check.
+        self.input_dims: tuple[int, ...] | None = None
 
     def _check_input_dim(self, input: Tensor) -> None:
+        if self.input_dims is not None and input.dim() not in self.input_dims:
+            expected = " or ".join(f"{dims}D" for dims in self.input_dims)
+            raise ValueError(f"expected {expected} input, got {input.dim()}D input")
         if input.dim() < 2:
             raise ValueError(f"expected an input of shape (N, C, *) with at least 2 dimensions, got {input.dim()}D")
 
@@ -153,7 +158,11 @@ def _converted(module: _BatchNorm, group: ProcessGroup | None) -> SyncBatchNorm:
         persistent = name not in module._non_persistent_buffers_set
         sync.register_buffer(name, getattr(module, name), persistent=persistent)
     sync.train(module.training)
+    sync.input_dims = _INPUT_DIMS.get(type(module))
     return sync
+
+
+_INPUT_DIMS: dict[type, tuple[int, ...]] = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
 
 
 def convert_sync_batchnorm(module: nn.Module, group: ProcessGroup | None = None) -> nn.Module:
@@ -183,7 +192,8 @@ def convert_sync_batchnorm(module: nn.Module, group: ProcessGroup | None = None)
     if not isinstance(module, nn.Module):
         raise TypeError(f"convert_sync_batchnorm expects an nn.Module, got {type(module).__name__}")
     if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
-        return _converted(module, group)
+        # A torch.nn.SyncBatchNorm keeps its own process group unless another is given.
+        return _converted(module, group if group is not None else getattr(module, "process_group", None))
     for name, child in module.named_children():
         replacement = convert_sync_batchnorm(child, group)
         if replacement is not child:

@@ -439,3 +439,10 @@ def test_invalid_options(kwargs: dict[str, Any]) -> None:
 def test_rejects_one_dimensional_input() -> None:
     with pytest.raises(ValueError, match="at least 2 dimensions"):
         SyncBatchNorm(3)(torch.randn(3))
+
+
+def test_converted_layers_keep_their_input_rank_check():
+    model = convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(3), torch.nn.BatchNorm1d(3)))
+    with pytest.raises(ValueError, match="expected 4D input, got 3D"):
+        model[0](torch.randn(2, 3, 4))
+    assert model[1](torch.randn(4, 3)).shape == (4, 3) and model[1](torch.randn(4, 3, 5)).shape == (4, 3, 5)
