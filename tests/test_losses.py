@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -10,11 +12,16 @@ import torch.nn.functional as F
 from test_losses_reference import (
     KINDS,
     assert_close,
+    clip_reference,
     make_problem,
+    ntxent_reference,
     package_loss,
     reference_loss,
+    siglip_reference,
+    supcon_reference,
     value_and_grads,
 )
+from torch import Tensor
 
 from contrastive_dist import (
     DistributedInfoNCE,
@@ -27,7 +34,6 @@ from contrastive_dist import (
     siglip,
     supcon,
 )
-from contrastive_dist.losses import _chunked
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -46,9 +52,7 @@ def test_matches_loop_reference(total: int, dtype: torch.dtype) -> None:
                 assert_close(grads[name].double(), expected_grads[name], dtype, f"{what} d/d{name}")
 
 
-@pytest.mark.parametrize("gradients_in_forward", [True, False])
-def test_chunked_equals_unchunked_float32(monkeypatch: pytest.MonkeyPatch, gradients_in_forward: bool) -> None:
-    monkeypatch.setattr(_chunked, "_GRADIENTS_IN_FORWARD", gradients_in_forward)
+def test_chunked_equals_unchunked_float32() -> None:
     generator = torch.Generator().manual_seed(0)
     images = F.normalize(torch.randn(37, 16, generator=generator), dim=-1).requires_grad_()
     texts = F.normalize(torch.randn(37, 16, generator=generator), dim=-1).requires_grad_()
@@ -162,6 +166,10 @@ def test_invalid_arguments_raise_clear_errors() -> None:
         (TypeError, "labels must be an integer tensor", lambda: supcon(good, torch.zeros(4))),
         (ValueError, "logit_scale must be a scalar", lambda: info_nce(good, good, torch.ones(2))),
         (ValueError, "logit_scale must be > 0", lambda: info_nce(good, good, -1.0)),
+        (ValueError, "logit_scale must be > 0", lambda: siglip(good, good, 0.0, 1.0)),
+        (ValueError, "logit_scale must be > 0", lambda: nt_xent(good, good, -2.0)),
+        (ValueError, "logit_scale must be a scalar", lambda: supcon(good, torch.zeros(4).long(), torch.ones(3))),
+        (TypeError, "logit_bias must be a floating-point tensor", lambda: siglip(good, good, 1.0, torch.tensor(1))),
         (TypeError, "must share a dtype", lambda: info_nce(good, good.double())),
         (TypeError, "symmetric must be a bool", lambda: DistributedInfoNCE(symmetric="yes")),  # type: ignore[arg-type]
         (ValueError, "top_k must hold positive ints", lambda: retrieval_accuracy(good, good, top_k=(0,))),
@@ -170,3 +178,142 @@ def test_invalid_arguments_raise_clear_errors() -> None:
     for error, message, call in cases:
         with pytest.raises(error, match=message):
             call()
+
+
+FEATURE_KINDS = ("clip", "clip_one_way", "ntxent", "siglip", "supcon")
+Inputs = list[Tensor]
+
+
+def _loss_on_features(kind: str, leaves: Inputs, labels: Tensor, chunk_size: int | None, reference: bool) -> Tensor:
+    """A loss of leaf ``(images, texts, scale, bias)``: the package's, or the float64 loop reference."""
+    images, texts, scale, bias = leaves
+    views = torch.stack([images, texts], dim=1)
+    if reference:
+        references: dict[str, Callable[[], Tensor]] = {
+            "clip": lambda: clip_reference(images, texts, scale),
+            "clip_one_way": lambda: clip_reference(images, texts, scale, symmetric=False),
+            "ntxent": lambda: ntxent_reference(images, texts, scale),
+            "siglip": lambda: siglip_reference(images, texts, scale, bias),
+            "supcon": lambda: supcon_reference(views, labels, scale),
+        }
+        return references[kind]()
+    losses: dict[str, Callable[[], Tensor]] = {
+        "clip": lambda: info_nce(images, texts, scale, chunk_size=chunk_size),
+        "clip_one_way": lambda: info_nce(images, texts, scale, symmetric=False, chunk_size=chunk_size),
+        "ntxent": lambda: nt_xent(images, texts, scale, chunk_size=chunk_size),
+        "siglip": lambda: siglip(images, texts, scale, bias, chunk_size=chunk_size),
+        "supcon": lambda: supcon(views, labels, scale, chunk_size=chunk_size),
+    }
+    return losses[kind]()
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16", "float32_autocast_bf16"])
+def test_half_precision_and_autocast_match_float64_reference(precision: str) -> None:
+    # The core runs in float32 with autocast off: the loss is as exact as in float32, and only
+    # the gradients handed back to half-precision inputs are rounded to their dtype.
+    dtype = getattr(torch, precision.split("_")[0])
+    autocast = precision.endswith("autocast_bf16")
+    grad_rtol = {torch.bfloat16: 2**-7, torch.float16: 2**-9, torch.float32: 1e-5}[dtype]
+    generator = torch.Generator().manual_seed(7)
+
+    def draw(*shape: int) -> Tensor:  # values exactly representable in ``dtype``
+        return F.normalize(torch.randn(*shape, generator=generator, dtype=torch.float64), dim=-1).to(dtype).double()
+
+    inputs = [
+        draw(24, 16),
+        draw(24, 16),
+        torch.tensor(5.0, dtype=torch.float64),
+        torch.tensor(-1.5, dtype=torch.float64),
+    ]
+    labels = torch.randint(0, 4, (24,), generator=generator)
+    for kind in FEATURE_KINDS:
+        leaves64 = [tensor.clone().requires_grad_() for tensor in inputs]
+        expected = _loss_on_features(kind, leaves64, labels, None, reference=True)
+        expected_grads = torch.autograd.grad(expected, leaves64, allow_unused=True)
+        for chunk_size in (None, 5):
+            leaves = [tensor.to(dtype).requires_grad_() for tensor in inputs]
+            context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+            with context:
+                loss = _loss_on_features(kind, leaves, labels, chunk_size, reference=False)
+            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+            what = f"{kind} {precision} chunk={chunk_size}"
+            assert loss.dtype == torch.float32, what
+            torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6, msg=what)
+            for name, grad, expected_grad in zip("images texts scale bias".split(), grads, expected_grads, strict=True):
+                if expected_grad is None:
+                    assert grad is None or not grad.any(), f"{what} d/d{name}"
+                    continue
+                assert grad is not None and grad.dtype == dtype, f"{what} d/d{name}"
+                atol = grad_rtol * expected_grad.abs().max().item()
+                torch.testing.assert_close(
+                    grad.double(), expected_grad, rtol=grad_rtol, atol=atol, msg=f"{what} d/d{name}"
+                )
+
+
+def test_half_precision_large_batches_stay_finite_and_exact() -> None:
+    generator = torch.Generator().manual_seed(2)
+    images = F.normalize(torch.randn(4096, 8, generator=generator), dim=-1).half().requires_grad_()
+    texts = F.normalize(torch.randn(4096, 8, generator=generator), dim=-1).half()
+    # Float64 of the same (half-rounded) values; its sum of 4096 row terms × 50 would overflow fp16.
+    expected = info_nce(images.double(), texts.double(), 50.0, symmetric=False, chunk_size=1024)
+    for chunk_size in (None, 512):
+        loss = info_nce(images, texts, 50.0, symmetric=False, chunk_size=chunk_size)
+        (grad,) = torch.autograd.grad(loss, images)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all()
+        torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=0)
+    # SupCon's 1/A with A = 301 anchors: 301 is not a bfloat16 number (it rounds to 300).
+    features = F.normalize(torch.randn(301, 8, generator=generator), dim=-1).bfloat16()
+    labels = torch.arange(301) % 3
+    expected = supcon(features.double(), labels, chunk_size=64)
+    for chunk_size in (None, 64):
+        torch.testing.assert_close(
+            supcon(features, labels, chunk_size=chunk_size).double(), expected, rtol=1e-5, atol=0
+        )
+
+
+def test_double_backward_raises_instead_of_being_wrong() -> None:
+    images = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    texts = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    losses = {
+        "info_nce": lambda: info_nce(images, texts),
+        "info_nce chunked": lambda: info_nce(images, texts, chunk_size=2),
+        "nt_xent": lambda: nt_xent(images, texts, chunk_size=2),
+        "supcon": lambda: supcon(images, torch.tensor([0, 0, 1, 1, 1]), chunk_size=2),
+        "siglip chunked": lambda: siglip(images, texts, 2.0, -1.0, chunk_size=2),
+    }
+    for name, loss_fn in losses.items():
+        # The fused kernels form their gradients in forward: a second derivative through them
+        # would silently miss terms, so asking for one must fail loudly.
+        with pytest.raises(RuntimeError, match=r"double backward \(create_graph=True\)"):
+            torch.autograd.grad(loss_fn(), images, create_graph=True)
+        (grad,) = torch.autograd.grad(loss_fn(), images)  # first order still works
+        assert grad.shape == images.shape, name
+    # The unchunked SigLIP loss is plain autograd: its second derivatives are real.
+    (grad,) = torch.autograd.grad(siglip(images, texts, 2.0, -1.0), images, create_graph=True)
+    assert torch.autograd.grad(grad.square().sum(), texts)[0].abs().sum() > 0
+
+
+def test_gradients_when_only_some_inputs_require_them() -> None:
+    generator = torch.Generator().manual_seed(4)
+    inputs = [torch.randn(7, 5, generator=generator, dtype=torch.float64) for _ in range(2)]
+    inputs += [torch.tensor(3.0, dtype=torch.float64), torch.tensor(-1.0, dtype=torch.float64)]
+    labels = torch.tensor([0, 1, 0, 1, 2, 2, 0])
+    for kind in FEATURE_KINDS:
+        for chunk_size in (None, 3):
+            full = [tensor.clone().requires_grad_() for tensor in inputs]
+            expected = _loss_on_features(kind, full, labels, chunk_size, reference=False)
+            expected_grads = torch.autograd.grad(expected, full, allow_unused=True)
+            for wanted in ((0,), (1,), (2,), (3,), (0, 2), (1, 3)):
+                leaves = [tensor.clone().requires_grad_(index in wanted) for index, tensor in enumerate(inputs)]
+                loss = _loss_on_features(kind, leaves, labels, chunk_size, reference=False)
+                assert torch.equal(loss.detach(), expected.detach())
+                tracked = [leaves[index] for index in wanted]
+                if not loss.requires_grad:  # e.g. the bias of a loss without one
+                    continue
+                grads = torch.autograd.grad(loss, tracked, allow_unused=True)
+                for index, grad in zip(wanted, grads, strict=True):
+                    expected_grad = expected_grads[index]
+                    if expected_grad is None:
+                        assert grad is None
+                    else:
+                        torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12)

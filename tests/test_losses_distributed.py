@@ -19,10 +19,15 @@ from test_losses_reference import (
 )
 from torch import Tensor, nn
 
-from contrastive_dist import DistributedInfoNCE, retrieval_accuracy
+from contrastive_dist import DistributedInfoNCE, info_nce, nt_xent, retrieval_accuracy, siglip, supcon
 from contrastive_dist.testing import WorkerPool
 
-SHARDS = {1: [(8,)], 2: [(1, 7), (0, 2)], 3: [(5, 0, 3)], 4: [(3, 3, 3, 3), (2, 0, 1, 1)]}
+SHARDS: dict[int, list[tuple[int, ...]]] = {
+    1: [(8,)],
+    2: [(1, 7), (0, 2)],
+    3: [(5, 0, 3)],
+    4: [(3, 3, 3, 3), (2, 0, 1, 1)],
+}
 Case = tuple[str, tuple[int, ...], str, int | None, bool]
 
 
@@ -42,7 +47,7 @@ def _local(data: dict[str, Tensor], shards: tuple[int, ...], rank: int) -> dict[
 
 
 def _run_cases(rank: int, world_size: int, cases: list[Case]) -> list[tuple[Tensor, dict[str, Tensor]]]:
-    results = []
+    results: list[tuple[Tensor, dict[str, Tensor]]] = []
     for kind, shards, dtype_name, chunk_size, pass_sizes in cases:
         params, data = make_problem(seed=len(results), total=sum(shards), dtype=getattr(torch, dtype_name))
         loss = package_loss(kind, params, _local(data, shards, rank), chunk_size, shards if pass_sizes else None)
@@ -88,6 +93,47 @@ def test_retrieval_accuracy_is_global_and_identical_on_every_rank(
         assert result.keys() == expected.keys()
         for name, value in expected.items():
             assert torch.equal(result[name], value), name
+
+
+def _bad_input_on_rank_one(rank: int, world_size: int) -> dict[str, tuple[str, str] | float]:
+    bad = rank == 1
+    good, labels = torch.randn(4, 8), torch.tensor([0, 1, 0, 1])
+    calls: dict[str, Callable[[], object]] = {
+        "info_nce rows": lambda: info_nce(good, good[:3] if bad else good),
+        "info_nce one-way ndim": lambda: info_nce(good[0] if bad else good, good[0] if bad else good, symmetric=False),
+        "info_nce scale": lambda: info_nce(good, good, -1.0 if bad else 2.0),
+        "nt_xent dims": lambda: nt_xent(good, good[:, :5] if bad else good),
+        "nt_xent scale": lambda: nt_xent(good, good, torch.ones(2) if bad else None),
+        "siglip rows": lambda: siglip(good, good[:3] if bad else good, 2.0, -1.0, chunk_size=2),
+        "siglip dtype": lambda: siglip(good, good.double() if bad else good, 2.0, -1.0),
+        "supcon labels": lambda: supcon(good, labels[:3] if bad else labels),
+        "supcon ndim": lambda: supcon(good[0] if bad else good, labels),
+        "retrieval rows": lambda: retrieval_accuracy(good, good[:3] if bad else good),
+    }
+    outcome: dict[str, tuple[str, str] | float] = {}
+    for name, call in calls.items():
+        try:
+            call()
+            outcome[name] = ("no error", "")
+        except (ValueError, TypeError) as error:
+            outcome[name] = (type(error).__name__, str(error).split("\n")[0])
+    outcome["after"] = float(info_nce(good, good))  # the group still works
+    return outcome
+
+
+def test_bad_input_on_one_rank_raises_on_every_rank(pool: Callable[[int], WorkerPool]) -> None:
+    # Without the shared raise, rank 1 fails alone and the others wait in the gather: a timeout here.
+    per_rank = pool(3).run(_bad_input_on_rank_one, timeout=20, return_exceptions=True)
+    for rank, outcome in enumerate(per_rank):
+        assert isinstance(outcome, dict), f"rank {rank}: {outcome!r}"
+        for name, result in outcome.items():
+            if name == "after":
+                assert math.isfinite(result), rank  # type: ignore[arg-type]
+                continue
+            kind, message = result  # type: ignore[misc]
+            expected_kind = "TypeError" if "dtype" in name else "ValueError"
+            assert kind == expected_kind and "(on rank 1;" in message, f"rank {rank} {name}: {kind} {message}"
+            assert outcome[name] == per_rank[1][name], f"rank {rank} {name}: not the same error as rank 1"
 
 
 class _TwoTower(nn.Module):

@@ -13,7 +13,8 @@ from torch import Tensor
 
 from contrastive_dist import info_nce, nt_xent, siglip, supcon
 
-KINDS = ("clip", "clip_one_way", "ntxent", "siglip", "supcon", "supcon_views")
+KINDS = ("clip", "clip_one_way", "ntxent", "ntxent_scale", "siglip", "supcon", "supcon_views", "supcon_views_scale")
+"""``*_scale``: the loss gets the learnable ``logit_scale`` instead of its fixed temperature."""
 NTXENT_TEMPERATURE, SUPCON_TEMPERATURE = 0.5, 0.3
 
 
@@ -29,14 +30,14 @@ def clip_reference(images: Tensor, texts: Tensor, scale: Tensor, symmetric: bool
     return (image_to_text + one_direction(texts, images)) / 2 if symmetric else image_to_text
 
 
-def ntxent_reference(z1: Tensor, z2: Tensor, temperature: float) -> Tensor:
+def ntxent_reference(z1: Tensor, z2: Tensor, scale: Tensor | float) -> Tensor:
     z = torch.cat([F.normalize(z1, dim=-1), F.normalize(z2, dim=-1)])
     count = z.shape[0]
     total = z.new_zeros(())
     for i in range(count):
         positive = (i + count // 2) % count
-        logits = torch.stack([z[i] @ z[j] / temperature for j in range(count) if j != i])
-        total = total + torch.logsumexp(logits, 0) - z[i] @ z[positive] / temperature
+        logits = torch.stack([z[i] @ z[j] * scale for j in range(count) if j != i])
+        total = total + torch.logsumexp(logits, 0) - z[i] @ z[positive] * scale
     return total / count
 
 
@@ -49,7 +50,7 @@ def siglip_reference(images: Tensor, texts: Tensor, scale: Tensor, bias: Tensor)
     return total / images.shape[0]
 
 
-def supcon_reference(features: Tensor, labels: Tensor, temperature: float) -> Tensor:
+def supcon_reference(features: Tensor, labels: Tensor, scale: Tensor | float) -> Tensor:
     views = 1 if features.ndim == 2 else features.shape[1]
     flat = features.reshape(-1, features.shape[-1])
     flat_labels = [int(label) for label in labels for _ in range(views)]
@@ -58,9 +59,9 @@ def supcon_reference(features: Tensor, labels: Tensor, temperature: float) -> Te
         positives = [p for p in range(flat.shape[0]) if p != a and flat_labels[p] == flat_labels[a]]
         if not positives:
             continue
-        logits = torch.stack([flat[a] @ flat[j] / temperature for j in range(flat.shape[0]) if j != a])
+        logits = torch.stack([flat[a] @ flat[j] * scale for j in range(flat.shape[0]) if j != a])
         lse = torch.logsumexp(logits, 0)
-        total = total + sum(lse - flat[a] @ flat[p] / temperature for p in positives) / len(positives)
+        total = total + sum(lse - flat[a] @ flat[p] * scale for p in positives) / len(positives)
         anchors += 1
     return total / anchors if anchors else flat.sum() * 0
 
@@ -99,13 +100,15 @@ def package_loss(
     scale = params["log_scale"].exp()
     if kind in ("clip", "clip_one_way"):
         return info_nce(images, texts, scale, symmetric=kind == "clip", chunk_size=chunk_size, sizes=sizes)
-    if kind == "ntxent":
+    if kind.startswith("ntxent"):
         raw_1, raw_2 = data["x_image"] @ params["w_image"], data["x_text"] @ params["w_text"]
-        return nt_xent(raw_1, raw_2, temperature=NTXENT_TEMPERATURE, chunk_size=chunk_size, sizes=sizes)
+        given = scale if kind == "ntxent_scale" else None
+        return nt_xent(raw_1, raw_2, given, temperature=NTXENT_TEMPERATURE, chunk_size=chunk_size, sizes=sizes)
     if kind == "siglip":
         return siglip(images, texts, scale, params["bias"], chunk_size=chunk_size, sizes=sizes)
     features = images if kind == "supcon" else torch.stack([images, texts], dim=1)
-    return supcon(features, data["labels"], temperature=SUPCON_TEMPERATURE, chunk_size=chunk_size, sizes=sizes)
+    given = scale if kind == "supcon_views_scale" else None
+    return supcon(features, data["labels"], given, temperature=SUPCON_TEMPERATURE, chunk_size=chunk_size, sizes=sizes)
 
 
 def reference_loss(kind: str, params: dict[str, Tensor], data: dict[str, Tensor]) -> Tensor:
@@ -113,13 +116,13 @@ def reference_loss(kind: str, params: dict[str, Tensor], data: dict[str, Tensor]
     scale = params["log_scale"].exp()
     if kind in ("clip", "clip_one_way"):
         return clip_reference(images, texts, scale, symmetric=kind == "clip")
-    if kind == "ntxent":
+    if kind.startswith("ntxent"):
         raw_1, raw_2 = data["x_image"] @ params["w_image"], data["x_text"] @ params["w_text"]
-        return ntxent_reference(raw_1, raw_2, NTXENT_TEMPERATURE)
+        return ntxent_reference(raw_1, raw_2, scale if kind == "ntxent_scale" else 1 / NTXENT_TEMPERATURE)
     if kind == "siglip":
         return siglip_reference(images, texts, scale, params["bias"])
     features = images if kind == "supcon" else torch.stack([images, texts], dim=1)
-    return supcon_reference(features, data["labels"], SUPCON_TEMPERATURE)
+    return supcon_reference(features, data["labels"], scale if kind == "supcon_views_scale" else 1 / SUPCON_TEMPERATURE)
 
 
 def value_and_grads(loss: Tensor, params: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:

@@ -25,6 +25,8 @@ overflow (fp16) or drift by percents over many blocks (bf16).
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,7 +34,37 @@ from torch import Tensor
 
 from contrastive_dist.losses._checks import compute_dtype
 
-__all__ = ["contract_factor", "full_precision", "local_cross_entropy_sum", "sum_logsumexp", "upcast"]
+__all__ = [
+    "contract_factor",
+    "first_order_only",
+    "full_precision",
+    "local_cross_entropy_sum",
+    "sum_logsumexp",
+    "upcast",
+]
+
+Backward = Callable[..., tuple[Tensor | None, ...]]
+
+
+def first_order_only(backward: Backward) -> Backward:
+    """Mark the ``backward`` of a Function whose gradients are formed in forward as not differentiable.
+
+    ``once_differentiable`` alone stays silent when the incoming gradient is a constant (the usual
+    ``grad(loss, x, create_graph=True)``): the second derivative would quietly miss this term. So
+    a backward run with ``create_graph=True`` (grad mode on) raises instead.
+    """
+    once = torch.autograd.function.once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def checked(ctx: Any, *grad_outputs: Any) -> tuple[Tensor | None, ...]:
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "double backward (create_graph=True) through the contrastive losses' fused kernels is not "
+                "supported: their gradients are formed in forward (once_differentiable)"
+            )
+        return once(ctx, *grad_outputs)
+
+    return checked
 
 
 def contract_factor(count: int, world_size: int) -> float:
@@ -168,7 +200,7 @@ class _LogSumExpGradInForward(torch.autograd.Function):
         return total
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         grads = tuple(None if grad is None else grad * grad_output for grad in ctx.saved_tensors)
         return (*grads, None, None, None, None, None)

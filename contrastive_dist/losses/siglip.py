@@ -19,7 +19,7 @@ from contrastive_dist.losses._checks import (
     scalar_tensor,
     validated_on_all_ranks,
 )
-from contrastive_dist.losses._chunked import contract_factor, full_precision, upcast
+from contrastive_dist.losses._chunked import contract_factor, first_order_only, full_precision, upcast
 
 __all__ = ["SigLIPLoss", "siglip"]
 
@@ -146,7 +146,7 @@ class _SigmoidPairsSum(torch.autograd.Function):
         return total
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         grads = tuple(None if grad is None else grad * grad_output for grad in ctx.saved_tensors)
         return (*grads, None, None, None, None, None, None)
