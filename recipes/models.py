@@ -10,13 +10,14 @@ from torchvision.models.resnet import BasicBlock
 BACKBONES = ("resnet-small", "resnet18")
 
 
-def small_image_resnet(name: str, *, width: int = 32) -> tuple[nn.Module, int]:
+def small_image_resnet(name: str, *, width: int = 32, stem_stride: int = 2) -> tuple[nn.Module, int]:
     """A torchvision ResNet for small (e.g. 32×32) images, returning ``(module, feature_dim)``.
 
     ``"resnet18"`` is torchvision's resnet18 (random init) with a 3×3 stride-1 stem and no max-pool,
     the usual CIFAR adaptation. ``"resnet-small"`` stacks one torchvision ``BasicBlock`` per stage
-    with widths ``width·(1, 2, 4, 8)`` after a stride-2 stem: a few MFLOPs per image, so the default
-    runs train in minutes on a laptop CPU.
+    with widths ``width·(1, 2, 4, 8)`` after a stride-``stem_stride`` stem: a few MFLOPs per image
+    (4× more with ``stem_stride=1``, which keeps full resolution for shapes a few pixels wide), so the
+    default runs train in minutes on a laptop CPU.
 
     Shape:
         input ``(n, 3, H, W)`` float → output ``(n, feature_dim)``; ``n`` may be 0.
@@ -29,10 +30,10 @@ def small_image_resnet(name: str, *, width: int = 32) -> tuple[nn.Module, int]:
         return net, 512
     if name != "resnet-small":
         raise ValueError(f"backbone must be one of {BACKBONES}, got {name!r}")
-    if width < 1:
-        raise ValueError(f"width must be >= 1, got {width}")
+    if width < 1 or stem_stride not in (1, 2):
+        raise ValueError(f"expected width >= 1 and stem_stride 1 or 2, got {width} and {stem_stride}")
     layers: list[nn.Module] = [
-        nn.Conv2d(3, width, kernel_size=3, stride=2, padding=1, bias=False),
+        nn.Conv2d(3, width, kernel_size=3, stride=stem_stride, padding=1, bias=False),
         nn.BatchNorm2d(width),
         nn.ReLU(inplace=True),
     ]

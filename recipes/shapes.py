@@ -41,8 +41,17 @@ def caption(shape: int, colour: int, size: int, position: int) -> str:
     )
 
 
-def render(attributes: Tensor, image_size: int, generator: torch.Generator) -> Tensor:
-    """Render ``(n, 4)`` attribute rows (shape, colour, size, position) as uint8 images ``(n, 3, S, S)``."""
+def render(
+    attributes: Tensor, image_size: int, generator: torch.Generator, *, background_noise: float = 0.04,
+    tint_spread: float = 0.2,
+) -> Tensor:
+    """Render ``(n, 4)`` attribute rows (shape, colour, size, position) as uint8 images ``(n, 3, S, S)``.
+
+    The background is a per-image tint, uniform in ``[0.2 - tint_spread / 2, 0.2 + tint_spread / 2]``
+    per channel, plus Gaussian pixel noise of standard deviation ``background_noise``; both 0 give a
+    plain grey background. The same random numbers are drawn whatever the two values, so only the
+    background changes with them.
+    """
     n = attributes.shape[0]
     shape, colour, size, position = attributes.unbind(1)
     grid = (torch.arange(image_size, dtype=torch.float32) + 0.5) / image_size
@@ -66,8 +75,8 @@ def render(attributes: Tensor, image_size: int, generator: torch.Generator) -> T
     rgb = torch.tensor(list(COLOURS.values()))[colour]
     rgb = (rgb + (torch.rand(n, 3, generator=generator) - 0.5) * 0.15).clamp(0, 1).view(n, 3, 1, 1)
     # A dim, low-contrast background with a little noise, so the shape is the only strong signal.
-    tint = 0.1 + 0.2 * torch.rand(n, 3, 1, 1, generator=generator)
-    background = tint + 0.04 * torch.randn(n, 3, image_size, image_size, generator=generator)
+    tint = (0.2 - tint_spread / 2) + tint_spread * torch.rand(n, 3, 1, 1, generator=generator)
+    background = tint + background_noise * torch.randn(n, 3, image_size, image_size, generator=generator)
     image = torch.where(mask, rgb, background)
     return (image.clamp(0, 1) * 255).round().to(torch.uint8)
 
@@ -81,11 +90,14 @@ class ShapesDataset(Dataset):
         size: number of samples (``"val"``: at most :data:`COMBINATIONS`).
         image_size: image side in pixels.
         seed: the dataset seed; the same seed gives the same data everywhere.
+        background_noise: standard deviation of the background's pixel noise (see :func:`render`).
+        tint_spread: range of the background's per-image tint (see :func:`render`).
 
     Items are ``(image uint8 (3, S, S), caption str, label int, index int)``; the label is the shape.
     """
 
-    def __init__(self, split: str, *, size: int, image_size: int = 32, seed: int = 0) -> None:
+    def __init__(self, split: str, *, size: int, image_size: int = 32, seed: int = 0,
+                 background_noise: float = 0.04, tint_spread: float = 0.2) -> None:
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         if split == "val" and not 0 < size <= COMBINATIONS:
@@ -94,6 +106,9 @@ class ShapesDataset(Dataset):
             )
         if size < 1 or image_size < 8:
             raise ValueError(f"expected size >= 1 and image_size >= 8, got {size} and {image_size}")
+        if not (0 <= background_noise and 0 <= tint_spread <= 0.4):
+            raise ValueError(f"expected background_noise >= 0 and tint_spread in [0, 0.4], "
+                             f"got {background_noise} and {tint_spread}")
         generator = torch.Generator().manual_seed(seed * 2 + (split == "val"))
         ranges = (len(SHAPES), len(COLOURS), len(SIZES), len(POSITIONS))
         if split == "val":
@@ -102,7 +117,10 @@ class ShapesDataset(Dataset):
         else:
             attributes = torch.stack([torch.randint(k, (size,), generator=generator) for k in ranges], dim=1)
         # Rendered once, in chunks to bound memory; every rank renders the same images.
-        self.images = torch.cat([render(chunk, image_size, generator) for chunk in attributes.split(1024)])
+        self.images = torch.cat([
+            render(chunk, image_size, generator, background_noise=background_noise, tint_spread=tint_spread)
+            for chunk in attributes.split(1024)
+        ])
         self.attributes = attributes
         self.captions = [caption(*row) for row in attributes.tolist()]
         self.labels = attributes[:, 0].tolist()

@@ -5,7 +5,8 @@ grayscale, blur), a torchvision ResNet for small images, a projection head with 
 :func:`contrastive_dist.convert_sync_batchnorm` applied to the whole model (exact global batch
 statistics; ``--no-sync-bn`` to keep per-rank ones). Evaluation: weighted k-NN on the backbone
 features of held-out images against a labelled bank, gathered from every rank; reported against
-chance. Default data: the generated shapes (label: the shape), no download.
+chance. Default data: the generated shapes on a plain background (label: the shape, one of 5;
+colour, size and position are what the augmentations teach the features to ignore), no download.
 
 One machine, CPU (2 processes, gloo) or all visible GPUs::
 
@@ -85,9 +86,9 @@ class SimCLR(RecipeModule):
     """Backbone + BatchNorm projection head; the loss pairs the two views of each image."""
 
     def __init__(self, *, backbone: str, width: int, hidden: int, out: int, temperature: float, sync_bn: bool,
-                 classes: int, **kwargs: object) -> None:
+                 classes: int, stem_stride: int = 2, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
-        self.backbone, features = small_image_resnet(backbone, width=width)
+        self.backbone, features = small_image_resnet(backbone, width=width, stem_stride=stem_stride)
         self.head: nn.Module = projection_head(features, hidden, out)
         if sync_bn:
             self.backbone, self.head = convert_sync_batchnorm(self.backbone), convert_sync_batchnorm(self.head)
@@ -127,16 +128,23 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--image-size", type=int, default=32)
     data.add_argument("--train-size", type=int, default=8192, help="generated training samples")
     data.add_argument("--val-size", type=int, default=500, help="held-out query images")
-    data.add_argument("--bank-size", type=int, default=2000, help="labelled training images for k-NN")
+    data.add_argument("--bank-size", type=int, default=8192,
+                      help="labelled training images for k-NN (the default: all of the generated training set)")
+    data.add_argument("--background-noise", type=float, default=0.0,
+                      help="shapes: background pixel noise (std); 0.04 is the CLIP recipe's")
+    data.add_argument("--tint-spread", type=float, default=0.0,
+                      help="shapes: range of the per-image background tint; 0.2 is the CLIP recipe's")
     data.add_argument("--min-crop", type=float, default=0.5, help="RandomResizedCrop minimum scale")
     data.add_argument("--hue", type=float, default=0.5,
                       help="ColorJitter hue range; 0.5 (any hue) makes the shape, not its colour, what views share")
     data.add_argument("--deterministic-data", action="store_true", help="no augmentation (two identical views)")
     data.add_argument("--backbone", choices=BACKBONES, default="resnet-small")
     data.add_argument("--width", type=int, default=16, help="resnet-small base width")
+    data.add_argument("--stem-stride", type=int, choices=(1, 2), default=1,
+                      help="resnet-small stem stride; 1 keeps full resolution for shapes a few pixels wide")
     data.add_argument("--hidden", type=int, default=256)
     data.add_argument("--out", type=int, default=64)
-    data.add_argument("--temperature", type=float, default=0.2)
+    data.add_argument("--temperature", type=float, default=0.5)
     args = parser.parse_args(argv)
     args.output_dir = args.output_dir or Path("runs/simclr")
     start = time.perf_counter()
@@ -146,11 +154,13 @@ def main(argv: list[str] | None = None) -> None:
     L.seed_everything(args.seed, workers=True, verbose=False)
     train, bank, queries, classes = build(args.data, image_size=args.image_size, train_size=args.train_size,
                                           val_size=args.val_size, bank_size=args.bank_size, seed=args.seed,
-                                          download=args.download)
+                                          download=args.download, background_noise=args.background_noise,
+                                          tint_spread=args.tint_spread)
     augment = simclr_augment(args.image_size, min_scale=args.min_crop, hue=args.hue)
     augment = None if args.deterministic_data else augment
     model = SimCLR(
-        backbone=args.backbone, width=args.width, hidden=args.hidden, out=args.out, temperature=args.temperature,
+        backbone=args.backbone, width=args.width, stem_stride=args.stem_stride, hidden=args.hidden, out=args.out,
+        temperature=args.temperature,
         sync_bn=not args.no_sync_bn, classes=classes, val_collate=KnnCollate(), train_set=TwoViews(train, augment),
         val_set=KnnSplit(bank, queries), collate=ViewsCollate(), batch_size=args.batch_size, seed=args.seed,
         num_workers=args.num_workers, optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,

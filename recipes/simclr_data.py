@@ -85,11 +85,19 @@ def normalize(images: Tensor) -> Tensor:
 
 
 def build(spec: str, *, image_size: int, train_size: int, val_size: int, bank_size: int, seed: int,
-          download: bool) -> tuple[Images, Images, Images, int]:
-    """``(train, bank, queries, classes)`` for ``shapes``, ``imagefolder:PATH`` or ``cifar10:ROOT``."""
+          download: bool, background_noise: float = 0.0, tint_spread: float = 0.0,
+          ) -> tuple[Images, Images, Images, int]:
+    """``(train, bank, queries, classes)`` for ``shapes``, ``imagefolder:PATH`` or ``cifar10:ROOT``.
+
+    For ``shapes``, ``background_noise`` and ``tint_spread`` set the background (see
+    ``shapes.render``). The default plain background leaves the shape, its colour, size and
+    position as the only content of an image: a per-image background tint or noise pattern,
+    shared by the two views of an image, would let the loss tell images apart without the shape.
+    """
     if spec == "shapes":
-        train_source = ShapesDataset("train", size=train_size, image_size=image_size, seed=seed)
-        held_out = ShapesDataset("val", size=val_size, image_size=image_size, seed=seed)
+        background = {"background_noise": background_noise, "tint_spread": tint_spread}
+        train_source = ShapesDataset("train", size=train_size, image_size=image_size, seed=seed, **background)
+        held_out = ShapesDataset("val", size=val_size, image_size=image_size, seed=seed, **background)
         return (Images(train_source, range(train_size), image_size),
                 Images(train_source, range(min(bank_size, train_size)), image_size),
                 Images(held_out, range(val_size), image_size), len(SHAPES))

@@ -142,3 +142,18 @@ def test_module_docstring_gives_the_launch_commands(recipe: str) -> None:
     text = (RECIPES / recipe).read_text()
     for command in ("--num-nodes", "NODE_RANK", "MASTER_ADDR", "torchrun --nnodes"):
         assert command in text
+
+
+def test_shapes_background_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(RECIPES))
+    from shapes import ShapesDataset
+
+    default = ShapesDataset("train", size=32, seed=3)
+    explicit = ShapesDataset("train", size=32, seed=3, background_noise=0.04, tint_spread=0.2)
+    plain = ShapesDataset("train", size=32, seed=3, background_noise=0.0, tint_spread=0.0)
+    assert torch.equal(default.images, explicit.images) and default.captions == plain.captions
+    shape = (plain.images != 51).any(dim=1, keepdim=True)  # 51 = round(0.2 · 255), the plain grey
+    assert 0.01 < shape.float().mean() < 0.3
+    assert torch.equal(torch.where(shape, default.images, 0), torch.where(shape, plain.images, 0))  # same shapes
+    with pytest.raises(ValueError, match="tint_spread"):
+        ShapesDataset("train", size=4, tint_spread=1.0)
