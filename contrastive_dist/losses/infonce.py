@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import get_world_size
@@ -17,6 +17,7 @@ from contrastive_dist.losses._checks import (
     validated_on_all_ranks,
 )
 from contrastive_dist.losses._chunked import contract_factor, local_cross_entropy_sum
+from contrastive_dist.losses._module import TemperatureLoss
 
 __all__ = ["DistributedInfoNCE", "info_nce"]
 
@@ -96,7 +97,7 @@ def info_nce(
     return (image_to_text + text_to_image) * (0.5 * contract_factor(sum(gathered.sizes), world_size))
 
 
-class DistributedInfoNCE(nn.Module):
+class DistributedInfoNCE(TemperatureLoss):
     """CLIP loss over the global batch; holds the options of :func:`info_nce`.
 
     Args:
@@ -128,13 +129,10 @@ class DistributedInfoNCE(nn.Module):
         chunk_size: int | None = None,
         group: ProcessGroup | None = None,
     ) -> None:
-        super().__init__()
-        self.temperature = check_temperature(temperature)
+        super().__init__(temperature=temperature, chunk_size=chunk_size, group=group)
         if not isinstance(symmetric, bool):
             raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
         self.symmetric = symmetric
-        self.chunk_size = check_chunk_size(chunk_size)
-        self.group = group
 
     def forward(
         self,
@@ -158,4 +156,4 @@ class DistributedInfoNCE(nn.Module):
 
     def extra_repr(self) -> str:
         """Show the options in ``repr``."""
-        return f"temperature={self.temperature}, symmetric={self.symmetric}, chunk_size={self.chunk_size}"
+        return f"{super().extra_repr()}, symmetric={self.symmetric}"

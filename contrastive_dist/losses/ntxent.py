@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import get_world_size
@@ -19,6 +19,7 @@ from contrastive_dist.losses._checks import (
     validated_on_all_ranks,
 )
 from contrastive_dist.losses._chunked import contract_factor, full_precision, local_cross_entropy_sum, upcast
+from contrastive_dist.losses._module import TemperatureLoss
 
 __all__ = ["NTXentLoss", "nt_xent"]
 
@@ -98,7 +99,7 @@ def nt_xent(
     return loss_sum * contract_factor(2 * total, get_world_size(group))
 
 
-class NTXentLoss(nn.Module):
+class NTXentLoss(TemperatureLoss):
     """SimCLR's NT-Xent loss over the global batch; holds the options of :func:`nt_xent`.
 
     Args:
@@ -121,10 +122,7 @@ class NTXentLoss(nn.Module):
     def __init__(
         self, *, temperature: float = 0.5, chunk_size: int | None = None, group: ProcessGroup | None = None
     ) -> None:
-        super().__init__()
-        self.temperature = check_temperature(temperature)
-        self.chunk_size = check_chunk_size(chunk_size)
-        self.group = group
+        super().__init__(temperature=temperature, chunk_size=chunk_size, group=group)
 
     def forward(
         self,
@@ -144,7 +142,3 @@ class NTXentLoss(nn.Module):
             group=self.group,
             sizes=sizes,
         )
-
-    def extra_repr(self) -> str:
-        """Show the options in ``repr``."""
-        return f"temperature={self.temperature}, chunk_size={self.chunk_size}"

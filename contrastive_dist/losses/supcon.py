@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import get_world_size
@@ -18,6 +18,7 @@ from contrastive_dist.losses._checks import (
     validated_on_all_ranks,
 )
 from contrastive_dist.losses._chunked import full_precision, local_cross_entropy_sum, upcast
+from contrastive_dist.losses._module import TemperatureLoss
 
 __all__ = ["SupConLoss", "supcon"]
 
@@ -122,7 +123,7 @@ def _check_labels(labels: object, batch_size: int) -> None:
         raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
 
 
-class SupConLoss(nn.Module):
+class SupConLoss(TemperatureLoss):
     """Supervised contrastive loss over the global batch; holds the options of :func:`supcon`.
 
     Args:
@@ -146,10 +147,7 @@ class SupConLoss(nn.Module):
     def __init__(
         self, *, temperature: float = 0.1, chunk_size: int | None = None, group: ProcessGroup | None = None
     ) -> None:
-        super().__init__()
-        self.temperature = check_temperature(temperature)
-        self.chunk_size = check_chunk_size(chunk_size)
-        self.group = group
+        super().__init__(temperature=temperature, chunk_size=chunk_size, group=group)
 
     def forward(
         self,
@@ -169,7 +167,3 @@ class SupConLoss(nn.Module):
             group=self.group,
             sizes=sizes,
         )
-
-    def extra_repr(self) -> str:
-        """Show the options in ``repr``."""
-        return f"temperature={self.temperature}, chunk_size={self.chunk_size}"
