@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist._wire import _all_gather_single
+from contrastive_dist._wire import all_gather_single
 
 __all__ = ["Problem", "agree_on_sizes", "describe", "local_problem", "raise_disagreement", "signature"]
 
@@ -113,7 +113,7 @@ def agree_on_sizes(
         row = [_PROBLEM, 0, 0]
     local = torch.tensor([row], dtype=torch.int64, device=metadata_device(tensors, group))
     table = local.new_empty((world_size, 3))
-    _all_gather_single(table, local, group=group)
+    all_gather_single(table, local, group=group)
     rows = table.tolist()
     statuses = [status for status, _, _ in rows]
     signatures = {digest for status, _, digest in rows if status == _OK}

@@ -39,10 +39,9 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
-__all__ = ["GlobalStats", "global_batch_stats", "normalize_with_global_stats"]
+from contrastive_dist._wire import all_gather_single
 
-# Renamed in torch 2.13; the installed torch's own name avoids a deprecation warning.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+__all__ = ["GlobalStats", "global_batch_stats", "normalize_with_global_stats"]
 
 # Half-precision inputs are reduced and normalized with float32 statistics (the mixed-dtype
 # path of the native batch_norm kernels); float32 and float64 inputs keep their own dtype.
@@ -101,7 +100,7 @@ def global_batch_stats(x: Tensor, channels: int, group: ProcessGroup | None, wor
     """
     local = _local_moments(x, channels)
     table = local.new_empty(world_size * local.numel())
-    _all_gather_single(table, local, group=group)
+    all_gather_single(table, local, group=group)
     table = table.view(world_size, -1)
     counts, problems = table[:, 0], table[:, 1]
     means, m2s = table[:, 2 : 2 + channels], table[:, 2 + channels :]

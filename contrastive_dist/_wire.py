@@ -3,15 +3,15 @@
 Routes, chosen by measurement on gloo (``benchmarks/gather.py``; 2 and 4 CPU processes,
 2048 × 512 fp32 rows each) and by what NCCL does best:
 
-=========  ================================  ============================================
-backend    forward (gather rows)             backward (reduce-scatter, SUM)
-=========  ================================  ============================================
-gloo       one broadcast per non-empty       one ``all_to_all_single`` with split sizes,
-           rank, straight into its place     then a local sum over ranks
-           in the output (async, then wait)
-NCCL       equal sizes: ``all_gather_single``  equal sizes: ``reduce_scatter_single``;
-           uneven: ``all_to_all_single``     uneven: ``all_to_all_single`` + local sum
-=========  ================================  ============================================
+============  ====================================  ============================================
+tensors       forward (gather rows)                 backward (reduce-scatter, SUM)
+============  ====================================  ============================================
+CPU (gloo)    one broadcast per non-empty rank,     one ``all_to_all_single`` with split sizes,
+              straight into its place in the        then a local sum over ranks
+              output (async, then wait)
+accelerator   equal sizes: ``all_gather_single``    equal sizes: ``reduce_scatter_single``;
+(NCCL)        uneven: ``all_to_all_single``         uneven: ``all_to_all_single`` + local sum
+============  ====================================  ============================================
 
 On gloo the broadcasts measured 1.2-1.6x faster than ``all_gather_single`` (and 2x faster
 than an uneven all-to-all, which must repeat the local rows once per peer), and the
@@ -31,9 +31,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-__all__ = ["gather_rows", "gather_rows_with_status", "reduce_scatter_rows"]
+__all__ = ["all_gather_single", "gather_rows", "gather_rows_with_status", "reduce_scatter_rows"]
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # gloo and NCCL have no bool reduction; bool rows travel as uint8 (same bytes).
@@ -69,7 +69,7 @@ def gather_rows(x: Tensor, sizes: Sequence[int], rank: int, group: ProcessGroup 
     out = wire.new_empty((sum(sizes), *x.shape[1:]))
     if _on_accelerator(x):
         if min(sizes) == max(sizes):
-            _all_gather_single(out, wire, group=group)
+            all_gather_single(out, wire, group=group)
         else:
             send = wire.repeat(world_size, *([1] * (wire.ndim - 1)))  # the same rows for every peer
             dist.all_to_all_single(
