@@ -1,25 +1,36 @@
 """The one cross-entropy every softmax loss here is built on: local rows against gathered columns.
 
 For query rows ``q_i`` (this rank's samples), key columns ``k_j`` (the gathered global batch),
-a scale ``s`` and, per row, an optional excluded column (the row's own sample) and a positive
-key ``p_i``, it returns::
+a scale ``s`` and, per row, an optional excluded column (the row's own sample), it computes each
+row's loss ``ℓ_i = logsumexp_{j ≠ excluded_i}(l_ij) − Σ_j t_ij · l_ij`` with ``l_ij = s · q_i·k_j``
+and a target distribution ``t_i``: one positive column (CLIP, NT-Xent) or the mean over the
+columns that share the row's label (SupCon). Logits are formed one block of ``chunk_size`` rows at
+a time (all rows in one block when ``chunk_size`` is None), each block against *all* columns, so
+every row is exact and at most ``chunk_size × N`` logits exist at once.
 
-    Σ_i  [ logsumexp_{j ≠ excluded_i} (s · q_i·k_j)  −  s · q_i·p_i ]
+**Precision.** Each row's positive is taken out inside its own row, relative to the row maximum
+``m_i`` (whose own term is left out of the sum ``S_i``)::
 
-The positive term is linear in the logits, so it never needs the ``n × N`` matrix; only the
-logsumexp does. It is computed one block of ``chunk_size`` query rows at a time (all rows in
-one block when ``chunk_size`` is None), each block against *all* columns, so the log-sum-exp of every row is
-exact (max-subtracted over the full row, no approximation) and at most ``chunk_size × N``
-logits exist at once. Because the result is a sum, its upstream gradient is one scalar: the
-gradients are formed block by block during the forward pass (the same three matrix products
-per block as autograd would run) and only multiplied by that scalar in backward. Recomputing
-the logits in backward instead costs a fourth product per block and measured slower on CPU
-(the ``clip_chunk256_recompute`` row of ``benchmarks/losses.py``, which holds that variant).
+    ℓ_i = (m_i − Σ_j t_ij · l_ij) + log1p(S_i),   S_i = Σ_{j ≠ argmax_i} exp(l_ij − m_i)
 
-**Precision.** The core runs in float32 (float64 inputs stay float64) with autocast off: the
-inputs are upcast with differentiable casts, so their gradients come back in their own dtype,
-and the returned sum is float32. Half-precision logits, sums and gradient accumulators would
-overflow (fp16) or drift by percents over many blocks (bf16).
+Both parts are ≥ 0, so a row's loss is never negative, a row whose positive is its only candidate
+gives exactly 0, and a small loss keeps float32's relative precision (``log1p`` of a small sum,
+instead of a difference of two large, separately rounded sums). The gradient's positive entry,
+``p − 1``, is formed as ``−S/(1+S)`` when the positive is the row maximum, for the same reason.
+The core runs in float32 (float64 stays float64) with autocast off: inputs are upcast with
+differentiable casts, so their gradients come back in their own dtype. Half-precision logits,
+sums and gradient accumulators would overflow (fp16) or drift by percents over many blocks (bf16).
+
+**Speed.** With ``reduction="sum"`` the result is ``Σ_i w_i ℓ_i`` for per-row weights ``w_i``
+(the caller's weights and normalisation); its upstream gradient is one scalar, so the gradients
+are formed block by block during the forward pass (three matrix products per block: the logits,
+``G @ K`` and ``Gᵀ @ Q``) and only multiplied by that scalar in backward. Recomputing the logits in
+backward costs a fourth product per block and measured slower on CPU (the
+``clip_chunk256_recompute`` row of ``benchmarks/losses.py``). With ``reduction="none"`` the result
+is the vector of ``ℓ_i``: the key gradient then mixes every row's upstream gradient, which is only
+known in backward (forming it in forward would keep the whole ``n × N`` softmax), so that mode
+computes the rows in forward and recomputes the block in backward with the upstream gradients as
+row weights.
 """
 
 from __future__ import annotations
@@ -27,19 +38,20 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from contrastive_dist.losses._checks import compute_dtype
+from contrastive_dist.losses._softmax_block import Grads, Targets, block_rows
 
 __all__ = [
+    "Targets",
     "contract_factor",
+    "cross_entropy",
     "first_order_only",
     "full_precision",
-    "local_cross_entropy_sum",
-    "sum_logsumexp",
     "upcast",
 ]
 
@@ -88,77 +100,54 @@ def upcast(tensor: Tensor) -> Tensor:
     return tensor.to(compute_dtype(tensor.dtype))
 
 
-def local_cross_entropy_sum(
+def cross_entropy(
     queries: Tensor,
     keys: Tensor,
     scale: Tensor,
-    positive_keys: Tensor,
+    targets: Targets,
     *,
-    excluded: Tensor | None = None,
     chunk_size: int | None = None,
+    row_weights: Tensor | None = None,
+    reduction: Literal["sum", "none"] = "sum",
 ) -> Tensor:
-    """``Σ_i [logsumexp_{j ≠ excluded_i}(s·q_i·k_j) − s·q_i·p_i]`` (see the module docstring).
+    """``Σ_i w_i ℓ_i`` (``"sum"``, ``w = 1`` by default) or the rows ``ℓ_i`` (``"none"``); see the module docstring.
 
     Shape:
-        queries: ``(n, D)``; keys: ``(N, D)``; scale: ``()``; positive_keys: ``(n, D)``;
-        excluded: ``(n,)`` column indices into ``keys``; output: ``()``, float32 or float64.
+        queries: ``(n, D)``; keys: ``(N, D)``; scale: ``()``; row_weights: ``(n,)`` (no gradient);
+        output: ``()`` or ``(n,)``, float32 or float64.
     """
-    with full_precision(queries.device):
-        queries, keys, positive_keys = upcast(queries), upcast(keys), upcast(positive_keys)
-        positive_logits = (queries * positive_keys).sum() * scale.to(queries.dtype)
-        return sum_logsumexp(queries, keys, scale, excluded=excluded, chunk_size=chunk_size) - positive_logits
-
-
-def sum_logsumexp(
-    queries: Tensor,
-    keys: Tensor,
-    scale: Tensor,
-    *,
-    excluded: Tensor | None = None,
-    chunk_size: int | None = None,
-) -> Tensor:
-    """``Σ_i logsumexp_{j ≠ excluded_i}(s · q_i·k_j)``, whole (``chunk_size=None``) or in row blocks."""
-    if chunk_size is None:
-        # One block of all rows: the same fused kernel, which measured faster than autograd's
-        # logsumexp (one exp pass instead of two, no softmax re-materialised in backward).
-        chunk_size = max(queries.shape[0], 1)
+    chunk = chunk_size if chunk_size is not None else max(queries.shape[0], 1)
     with full_precision(queries.device):
         queries, keys = upcast(queries), upcast(keys)
         scale = scale.to(queries.dtype)
+        if reduction == "none":
+            return _RowsRecomputedInBackward.apply(queries, keys, scale, targets, chunk)
+        weights = None if row_weights is None else row_weights.detach().to(queries.dtype)
         # One flag per input: a key side without gradient skips its N × D accumulator and product.
         wanted = tuple(torch.is_grad_enabled() and t.requires_grad for t in (queries, keys, scale))
-        return _LogSumExpGradInForward.apply(queries, keys, scale, excluded, chunk_size, *wanted)
+        return _SumGradInForward.apply(queries, keys, scale, targets, weights, chunk, *wanted)
 
 
-def block_logits(
-    queries: Tensor, keys: Tensor, scale: Tensor, excluded: Tensor | None, start: int, stop: int
-) -> Tensor:
-    """Logits of query rows ``start:stop`` against every key, excluded entries at ``-inf``."""
-    logits = (queries[start:stop] * scale) @ keys.T
-    if excluded is not None:
-        logits.scatter_(1, excluded[start:stop, None], float("-inf"))
-    return logits
-
-
-def block_gradients(
-    probabilities: Tensor,
+def _all_blocks(
     queries: Tensor,
     keys: Tensor,
     scale: Tensor,
-    start: int,
-    stop: int,
-    key_grad: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    """For one row block with softmax ``P``: ``(P @ K, Σ q⊙(P @ K))``; adds ``s·Pᵀ q`` into ``key_grad``."""
-    weighted_keys = probabilities @ keys
-    block_queries = queries[start:stop]
-    if key_grad is not None:
-        key_grad.addmm_(probabilities.T, block_queries * scale)
-    return weighted_keys, (block_queries * weighted_keys).sum()
+    targets: Targets,
+    weights: Tensor | None,
+    chunk: int,
+    grads: Grads | None,
+) -> Tensor:
+    """Every block in turn; returns the rows ``ℓ_i`` and fills ``grads`` (weighted by ``weights``)."""
+    rows = queries.new_empty(queries.shape[0])
+    for start in range(0, queries.shape[0], chunk):
+        stop = min(start + chunk, queries.shape[0])
+        block_weights = None if weights is None else weights[start:stop]
+        rows[start:stop] = block_rows(queries, keys, scale, targets, start, stop, block_weights, grads)
+    return rows
 
 
-class _LogSumExpGradInForward(torch.autograd.Function):
-    """Row-block logsumexp whose gradients are formed in forward and scaled in backward."""
+class _SumGradInForward(torch.autograd.Function):
+    """``Σ_i w_i ℓ_i`` whose gradients are formed in forward and scaled in backward."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -166,41 +155,40 @@ class _LogSumExpGradInForward(torch.autograd.Function):
         queries: Tensor,
         keys: Tensor,
         scale: Tensor,
-        excluded: Tensor | None,
-        chunk_size: int,
+        targets: Targets,
+        weights: Tensor | None,
+        chunk: int,
         want_query: bool,
         want_key: bool,
         want_scale: bool,
     ) -> Tensor:
-        total = queries.new_zeros(())
-        query_grad = torch.empty_like(queries) if want_query else None
-        key_grad = torch.zeros_like(keys) if want_key else None
-        scale_grad = queries.new_zeros(()) if want_scale else None
-        for start in range(0, queries.shape[0], chunk_size):
-            stop = min(start + chunk_size, queries.shape[0])
-            logits = block_logits(queries, keys, scale, excluded, start, stop)
-            if not (want_query or want_key or want_scale):
-                total += torch.logsumexp(logits, dim=1).sum()
-                continue
-            # One exp pass serves both the logsumexp and the softmax: exp(logits - row max) in
-            # place, then normalise by the row sums. (logsumexp + a second exp costs two.)
-            row_max = logits.amax(dim=1, keepdim=True).nan_to_num_(neginf=0.0)
-            row_sum = logits.sub_(row_max).exp_().sum(dim=1, keepdim=True)
-            total += (row_max + row_sum.log()).sum()
-            probabilities = logits.div_(row_sum)  # reuses the logits' memory
-            if not (want_query or want_scale):
-                key_grad.addmm_(probabilities.T, queries[start:stop] * scale)  # type: ignore[union-attr]
-                continue
-            weighted_keys, scale_part = block_gradients(probabilities, queries, keys, scale, start, stop, key_grad)
-            if query_grad is not None:
-                query_grad[start:stop] = weighted_keys * scale
-            if scale_grad is not None:
-                scale_grad += scale_part
-        ctx.save_for_backward(query_grad, key_grad, scale_grad)
-        return total
+        grads = Grads.allocate(queries, keys, want_query, want_key, want_scale)
+        rows = _all_blocks(queries, keys, scale, targets, weights, chunk, grads)
+        ctx.save_for_backward(grads.query, grads.key, grads.scale)
+        return rows.sum() if weights is None else rows @ weights
 
     @staticmethod
     @first_order_only
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         grads = tuple(None if grad is None else grad * grad_output for grad in ctx.saved_tensors)
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
+
+
+class _RowsRecomputedInBackward(torch.autograd.Function):
+    """The rows ``ℓ_i``; backward runs the blocks again with the upstream gradients as row weights."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, queries: Tensor, keys: Tensor, scale: Tensor, targets: Targets, chunk: int
+    ) -> Tensor:
+        ctx.save_for_backward(queries, keys, scale)
+        ctx.targets, ctx.chunk = targets, chunk
+        return _all_blocks(queries, keys, scale, targets, None, chunk, None)
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx: Any, grad_rows: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        queries, keys, scale = ctx.saved_tensors
+        grads = Grads.allocate(queries, keys, *ctx.needs_input_grad[:3])
+        _all_blocks(queries, keys, scale, ctx.targets, grad_rows.to(queries.dtype), ctx.chunk, grads)
+        return grads.query, grads.key, grads.scale, None, None

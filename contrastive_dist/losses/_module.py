@@ -6,19 +6,28 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from contrastive_dist.losses._checks import check_chunk_size, check_temperature
+from contrastive_dist.losses._reduction import Reduction, check_reduction
 
 __all__ = ["TemperatureLoss"]
 
 
 class TemperatureLoss(nn.Module):
-    """Holds ``temperature`` (used when ``forward`` gets no ``logit_scale``), ``chunk_size`` and ``group``."""
+    """Holds ``temperature`` (when ``forward`` gets no ``logit_scale``), ``chunk_size``, ``group``, ``reduction``."""
 
-    def __init__(self, *, temperature: float, chunk_size: int | None, group: ProcessGroup | None) -> None:
+    def __init__(
+        self,
+        *,
+        temperature: float,
+        chunk_size: int | None,
+        group: ProcessGroup | None,
+        reduction: Reduction = "mean",
+    ) -> None:
         super().__init__()
+        self.reduction = check_reduction(reduction, None)
         self.temperature = check_temperature(temperature)
         self.chunk_size = check_chunk_size(chunk_size)
         self.group = group
 
     def extra_repr(self) -> str:
         """Show the options in ``repr``."""
-        return f"temperature={self.temperature}, chunk_size={self.chunk_size}"
+        return f"temperature={self.temperature}, chunk_size={self.chunk_size}, reduction={self.reduction!r}"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -16,8 +18,10 @@ from contrastive_dist.losses._checks import (
     resolve_scale,
     validated_on_all_ranks,
 )
-from contrastive_dist.losses._chunked import contract_factor, local_cross_entropy_sum
+from contrastive_dist.losses._chunked import Targets, cross_entropy
 from contrastive_dist.losses._module import TemperatureLoss
+from contrastive_dist.losses._negatives import SharedNegatives, check_negatives, negative_columns
+from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight, mean_factor
 
 __all__ = ["DistributedInfoNCE", "info_nce"]
 
@@ -32,6 +36,9 @@ def info_nce(
     chunk_size: int | None = None,
     group: ProcessGroup | None = None,
     sizes: Sequence[int] | None = None,
+    negatives: Tensor | SharedNegatives | None = None,
+    weight: Tensor | None = None,
+    reduction: Reduction = "mean",
 ) -> Tensor:
     """CLIP loss of this rank's pairs against every rank's pairs; exact under data parallelism.
 
@@ -45,6 +52,19 @@ def info_nce(
     averaging gives its exact gradient, for any per-rank batch sizes (including 0). Without a
     process group this is the plain single-process loss.
 
+    **Extra negatives.** ``negatives`` adds columns that every image row must rank below its
+    text (image→text only; text→image is unchanged): a tensor holds this rank's own negatives
+    (any count, 0 included, e.g. ``k`` hard negatives per query), gathered from every rank in
+    rank order, each one's gradient returned to its owner; :class:`SharedNegatives` (e.g.
+    :attr:`DistributedMemoryQueue.negatives`) holds negatives identical on every rank, used as
+    they are, without gradient.
+
+    **Weights and reduction.** A pair's loss ``ℓ_i`` is the mean of its two directions (its
+    image→text term alone when ``symmetric=False``). With ``weight`` the loss is
+    ``Σ_i w_i ℓ_i / Σ_global w_i`` over the global batch (this rank returns ``W · Σ_local w_i ℓ_i /
+    Σ_global w``, still exact under DDP). ``reduction="none"`` returns this rank's ``ℓ_i`` as they
+    are: the caller owns the normalisation (``rows.sum() * W / N`` gives back the mean's share).
+
     Args:
         image_features: this rank's image embeddings.
         text_features: this rank's text embeddings, row ``i`` paired with image row ``i``.
@@ -56,14 +76,20 @@ def info_nce(
             at most ``chunk_size × N`` logits exist at once; same value and gradients.
         group: the process group (default: the world).
         sizes: every rank's batch size, if known (skips the size exchange).
+        negatives: extra negative texts: this rank's own ``(k_r, D)`` (same dtype as the texts,
+            the same kind on every rank) or :class:`SharedNegatives`; see above.
+        weight: one weight ≥ 0 per local pair (no gradient); see above.
+        reduction: ``"mean"`` (this rank's share of the global mean) or ``"none"`` (per-pair losses).
 
     Returns:
-        A scalar tensor: this rank's share of the global loss (0 for an empty global batch),
-        float32 (float64 for float64 features): the core runs in float32 with autocast off,
-        so fp16/bf16 features and ``torch.autocast`` work; gradients come back in the inputs' dtypes.
+        ``"mean"``: a scalar, this rank's share of the global loss (0 for an empty global batch or
+        all-zero weights). ``"none"``: this rank's per-pair losses. Float32 (float64 for float64
+        features): the core runs in float32 with autocast off, so fp16/bf16 features and
+        ``torch.autocast`` work; gradients come back in the inputs' dtypes.
 
     Shape:
-        image_features, text_features: ``(n_r, D)``; logit_scale: ``()``; output: ``()``.
+        image_features, text_features: ``(n_r, D)``; logit_scale: ``()``; negatives: ``(k_r, D)``
+        or ``(K, D)`` shared; weight: ``(n_r,)``; output: ``()``, or ``(n_r,)`` with ``reduction="none"``.
 
     Example:
         >>> import torch
@@ -71,11 +97,14 @@ def info_nce(
         >>> from contrastive_dist import info_nce
         >>> images = F.normalize(torch.randn(4, 16), dim=-1).requires_grad_()
         >>> texts = F.normalize(torch.randn(4, 16), dim=-1)
+        >>> hard_negatives = F.normalize(torch.randn(8, 16), dim=-1)  # two per query
         >>> logit_scale = torch.tensor(1 / 0.07).log().requires_grad_()
-        >>> loss = info_nce(images, texts, logit_scale.exp())
+        >>> loss = info_nce(images, texts, logit_scale.exp(), negatives=hard_negatives)
         >>> loss.backward()
         >>> loss.shape, logit_scale.grad is not None
         (torch.Size([]), True)
+        >>> info_nce(images, texts, reduction="none").shape
+        torch.Size([4])
 
     """
     with validated_on_all_ranks((image_features, text_features), group=group, sizes=sizes):
@@ -84,17 +113,26 @@ def info_nce(
         chunk_size = check_chunk_size(chunk_size)
         if not isinstance(symmetric, bool):
             raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
+        reduction = check_reduction(reduction, weight)
+        weights = check_weight(weight, image_features.shape[0], image_features)
+        negatives = check_negatives(negatives, text_features)
     world_size = get_world_size(group)
-    if not symmetric:
-        gathered = all_gather_many((text_features,), group=group, sizes=sizes)
-        all_texts = gathered.tensors[0]
-        total = local_cross_entropy_sum(image_features, all_texts, scale, text_features, chunk_size=chunk_size)
-        return total * contract_factor(sum(gathered.sizes), world_size)
-    gathered = all_gather_many((image_features, text_features), group=group, sizes=sizes)
-    all_images, all_texts = gathered.tensors
-    image_to_text = local_cross_entropy_sum(image_features, all_texts, scale, text_features, chunk_size=chunk_size)
-    text_to_image = local_cross_entropy_sum(text_features, all_images, scale, image_features, chunk_size=chunk_size)
-    return (image_to_text + text_to_image) * (0.5 * contract_factor(sum(gathered.sizes), world_size))
+    own = (image_features, text_features) if symmetric else (text_features,)
+    gathered = all_gather_many(own + (() if weights is None else (weights,)), group=group, sizes=sizes)
+    all_texts = gathered.tensors[len(own) - 1]
+    text_columns = all_texts if negatives is None else torch.cat((all_texts, negative_columns(negatives, group)))
+    local_rows = torch.arange(image_features.shape[0], device=image_features.device)
+    positives = Targets(columns=local_rows + gathered.offset)
+    one_direction = functools.partial(cross_entropy, scale=scale, targets=positives, chunk_size=chunk_size)
+    if reduction == "none":
+        rows = one_direction(image_features, text_columns, reduction="none")
+        if symmetric:
+            rows = (rows + one_direction(text_features, gathered.tensors[0], reduction="none")) * 0.5
+        return rows
+    total = one_direction(image_features, text_columns, row_weights=weights)
+    if symmetric:
+        total = (total + one_direction(text_features, gathered.tensors[0], row_weights=weights)) * 0.5
+    return total * mean_factor(world_size, sum(gathered.sizes), None if weights is None else gathered.tensors[-1])
 
 
 class DistributedInfoNCE(TemperatureLoss):
@@ -105,9 +143,11 @@ class DistributedInfoNCE(TemperatureLoss):
         symmetric: average image→text and text→image, or image→text only.
         chunk_size: rows per block (bounded memory, same result); ``None``: all at once.
         group: the process group (default: the world).
+        reduction: ``"mean"`` or ``"none"`` (per-pair losses; the caller normalises).
 
     Shape:
-        image_features, text_features: ``(n_r, D)``; logit_scale: ``()``; output: ``()``.
+        image_features, text_features: ``(n_r, D)``; logit_scale: ``()``; negatives: ``(k_r, D)``;
+        weight: ``(n_r,)``; output: ``()``, or ``(n_r,)`` with ``reduction="none"``.
 
     Example:
         >>> import torch
@@ -128,8 +168,9 @@ class DistributedInfoNCE(TemperatureLoss):
         symmetric: bool = True,
         chunk_size: int | None = None,
         group: ProcessGroup | None = None,
+        reduction: Reduction = "mean",
     ) -> None:
-        super().__init__(temperature=temperature, chunk_size=chunk_size, group=group)
+        super().__init__(temperature=temperature, chunk_size=chunk_size, group=group, reduction=reduction)
         if not isinstance(symmetric, bool):
             raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
         self.symmetric = symmetric
@@ -141,8 +182,10 @@ class DistributedInfoNCE(TemperatureLoss):
         logit_scale: Tensor | float | None = None,
         *,
         sizes: Sequence[int] | None = None,
+        negatives: Tensor | SharedNegatives | None = None,
+        weight: Tensor | None = None,
     ) -> Tensor:
-        """Return this rank's share of the loss; see :func:`info_nce`."""
+        """Return this rank's share of the loss (or its per-pair losses); see :func:`info_nce`."""
         return info_nce(
             image_features,
             text_features,
@@ -152,6 +195,9 @@ class DistributedInfoNCE(TemperatureLoss):
             chunk_size=self.chunk_size,
             group=self.group,
             sizes=sizes,
+            negatives=negatives,
+            weight=weight,
+            reduction=self.reduction,
         )
 
     def extra_repr(self) -> str:

@@ -18,8 +18,9 @@ from contrastive_dist.losses._checks import (
     resolve_scale,
     validated_on_all_ranks,
 )
-from contrastive_dist.losses._chunked import contract_factor, full_precision, local_cross_entropy_sum, upcast
+from contrastive_dist.losses._chunked import Targets, cross_entropy, full_precision, upcast
 from contrastive_dist.losses._module import TemperatureLoss
+from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight, mean_factor
 
 __all__ = ["NTXentLoss", "nt_xent"]
 
@@ -33,6 +34,8 @@ def nt_xent(
     chunk_size: int | None = None,
     group: ProcessGroup | None = None,
     sizes: Sequence[int] | None = None,
+    weight: Tensor | None = None,
+    reduction: Reduction = "mean",
 ) -> Tensor:
     """NT-Xent of this rank's views against both views of the whole global batch.
 
@@ -46,6 +49,12 @@ def nt_xent(
     ``(W / 2N) · Σ_local ℓ``: the mean over ranks is the single-process loss, and DDP's gradient
     averaging gives its exact gradient, for any per-rank batch sizes (including 0).
 
+    **Weights and reduction.** A sample's loss ``ℓ_i`` is the mean of its two anchors' losses
+    (so the loss is the mean of the ``ℓ_i``). With ``weight`` the loss is ``Σ_i w_i ℓ_i /
+    Σ_global w_i`` (this rank returns ``W · Σ_local w_i ℓ_i / Σ_global w``, still exact under DDP).
+    ``reduction="none"`` returns this rank's ``ℓ_i`` as they are: the caller owns the
+    normalisation (``rows.sum() * W / N`` gives back the mean's share).
+
     Args:
         z1: first view's embeddings of this rank's samples.
         z2: second view's embeddings, row ``i`` the same sample as ``z1[i]``.
@@ -55,14 +64,18 @@ def nt_xent(
         chunk_size: anchors per block (at most ``chunk_size × 2N`` logits at once); same result.
         group: the process group (default: the world).
         sizes: every rank's batch size, if known (skips the size exchange).
+        weight: one weight ≥ 0 per local sample (no gradient); see above.
+        reduction: ``"mean"`` (this rank's share of the global mean) or ``"none"`` (per-sample losses).
 
     Returns:
-        A scalar tensor: this rank's share of the global loss (0 for an empty global batch),
-        float32 (float64 for float64 inputs): the core runs in float32 with autocast off;
+        ``"mean"``: a scalar, this rank's share of the global loss (0 for an empty global batch or
+        all-zero weights); ``"none"``: this rank's per-sample losses.
+        Float32 (float64 for float64 inputs): the core runs in float32 with autocast off;
         gradients come back in the inputs' dtypes.
 
     Shape:
-        z1, z2: ``(n_r, D)``; logit_scale: ``()``; output: ``()``.
+        z1, z2: ``(n_r, D)``; logit_scale: ``()``; weight: ``(n_r,)``; output: ``()``, or ``(n_r,)``
+        with ``reduction="none"``.
 
     Example:
         >>> import torch
@@ -72,31 +85,39 @@ def nt_xent(
         >>> loss.backward()
         >>> z1.grad.shape
         torch.Size([4, 16])
+        >>> nt_xent(z1, z2, weight=torch.tensor([1.0, 2.0, 0.0, 1.0])).shape
+        torch.Size([])
 
     """
     with validated_on_all_ranks((z1, z2), group=group, sizes=sizes):
         z1, z2 = check_pair("z1", z1, "z2", z2)
         scale = resolve_scale(logit_scale, check_temperature(temperature), z1)
         chunk_size = check_chunk_size(chunk_size)
-    gathered = all_gather_many((z1, z2), group=group, sizes=sizes)
+        reduction = check_reduction(reduction, weight)
+        weights = check_weight(weight, z1.shape[0], z1)
+    gathered = all_gather_many((z1, z2) + (() if weights is None else (weights,)), group=group, sizes=sizes)
     total = sum(gathered.sizes)
     with full_precision(z1.device):
         # Normalised after the gather, in the core's dtype: rows are normalised one by one, so
         # this is the same loss, and bf16/fp16 inputs lose nothing to a rounded unit vector.
         # Columns: every rank's first views, then every rank's second views (the single-process
         # order cat(z1, z2) when W = 1). Local anchor i of view 1 is column offset + i.
-        keys = F.normalize(upcast(torch.cat(gathered.tensors)), dim=-1)
+        keys = F.normalize(upcast(torch.cat(gathered.tensors[:2])), dim=-1)
         u1, u2 = F.normalize(upcast(z1), dim=-1), F.normalize(upcast(z2), dim=-1)
         own_columns = torch.arange(gathered.offset, gathered.offset + z1.shape[0], device=z1.device)
-        loss_sum = local_cross_entropy_sum(
-            torch.cat((u1, u2)),
-            keys,
-            scale,
-            torch.cat((u2, u1)),
+        anchors = Targets(
+            columns=torch.cat((own_columns + total, own_columns)),
             excluded=torch.cat((own_columns, own_columns + total)),
-            chunk_size=chunk_size,
         )
-    return loss_sum * contract_factor(2 * total, get_world_size(group))
+        queries = torch.cat((u1, u2))
+        if reduction == "none":
+            rows = cross_entropy(queries, keys, scale, anchors, chunk_size=chunk_size, reduction="none")
+            return rows.view(2, z1.shape[0]).mean(dim=0)
+        row_weights = None if weights is None else weights.repeat(2)
+        loss_sum = cross_entropy(queries, keys, scale, anchors, chunk_size=chunk_size, row_weights=row_weights)
+    # Two anchors per sample: the weighted mean over anchors is half the sum over samples' pairs.
+    factor = mean_factor(get_world_size(group), total, None if weights is None else gathered.tensors[2])
+    return loss_sum * 0.5 * factor
 
 
 class NTXentLoss(TemperatureLoss):
@@ -106,9 +127,11 @@ class NTXentLoss(TemperatureLoss):
         temperature: divides the cosine similarities when ``forward`` gets no ``logit_scale``; > 0.
         chunk_size: anchors per block (bounded memory, same result); ``None``: all at once.
         group: the process group (default: the world).
+        reduction: ``"mean"`` or ``"none"`` (per-sample losses; the caller normalises).
 
     Shape:
-        z1, z2: ``(n_r, D)``; logit_scale: ``()``; output: ``()``.
+        z1, z2: ``(n_r, D)``; logit_scale: ``()``; weight: ``(n_r,)``; output: ``()``, or ``(n_r,)``
+        with ``reduction="none"``.
 
     Example:
         >>> import torch
@@ -120,9 +143,14 @@ class NTXentLoss(TemperatureLoss):
     """
 
     def __init__(
-        self, *, temperature: float = 0.5, chunk_size: int | None = None, group: ProcessGroup | None = None
+        self,
+        *,
+        temperature: float = 0.5,
+        chunk_size: int | None = None,
+        group: ProcessGroup | None = None,
+        reduction: Reduction = "mean",
     ) -> None:
-        super().__init__(temperature=temperature, chunk_size=chunk_size, group=group)
+        super().__init__(temperature=temperature, chunk_size=chunk_size, group=group, reduction=reduction)
 
     def forward(
         self,
@@ -131,8 +159,9 @@ class NTXentLoss(TemperatureLoss):
         logit_scale: Tensor | float | None = None,
         *,
         sizes: Sequence[int] | None = None,
+        weight: Tensor | None = None,
     ) -> Tensor:
-        """Return this rank's share of the loss; see :func:`nt_xent`."""
+        """Return this rank's share of the loss (or its per-sample losses); see :func:`nt_xent`."""
         return nt_xent(
             z1,
             z2,
@@ -141,4 +170,6 @@ class NTXentLoss(TemperatureLoss):
             chunk_size=self.chunk_size,
             group=self.group,
             sizes=sizes,
+            weight=weight,
+            reduction=self.reduction,
         )

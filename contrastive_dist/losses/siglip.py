@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.utils.checkpoint import checkpoint
 
 from contrastive_dist._dist import get_world_size
-from contrastive_dist.gather import all_gather
+from contrastive_dist.gather import all_gather_many
 from contrastive_dist.losses._checks import (
     check_chunk_size,
     check_pair,
@@ -19,7 +21,8 @@ from contrastive_dist.losses._checks import (
     scalar_tensor,
     validated_on_all_ranks,
 )
-from contrastive_dist.losses._chunked import contract_factor, first_order_only, full_precision, upcast
+from contrastive_dist.losses._chunked import first_order_only, full_precision, upcast
+from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight, mean_factor
 
 __all__ = ["SigLIPLoss", "siglip"]
 
@@ -33,6 +36,8 @@ def siglip(
     chunk_size: int | None = None,
     group: ProcessGroup | None = None,
     sizes: Sequence[int] | None = None,
+    weight: Tensor | None = None,
+    reduction: Reduction = "mean",
 ) -> Tensor:
     """Sigmoid loss of this rank's images against every rank's texts; exact under data parallelism.
 
@@ -47,6 +52,14 @@ def siglip(
     processed ``chunk_size`` at a time against all texts and their gradients formed on the
     spot, so at most ``chunk_size × N`` logits exist at once, at no extra matrix product.
 
+    **Weights and reduction.** An image row's loss is ``ℓ_i = Σ_j softplus(−z_ij · logit_ij)``,
+    its pairs with all ``N`` texts, so the loss above is the mean of the ``ℓ_i``. With ``weight``
+    (one weight per local image row, applied to all of its pairs) the loss is
+    ``Σ_i w_i ℓ_i / Σ_global w_i`` (this rank returns ``W · Σ_local w_i ℓ_i / Σ_global w``, still
+    exact under DDP). ``reduction="none"`` returns this rank's ``ℓ_i`` as they are: the caller
+    owns the normalisation (``rows.sum() * W / N`` gives back the mean's share); with
+    ``chunk_size`` that mode recomputes each block in backward (one more product per block).
+
     Args:
         image_features: this rank's image embeddings.
         text_features: this rank's text embeddings, row ``i`` paired with image row ``i``.
@@ -56,14 +69,18 @@ def siglip(
         chunk_size: image rows per block; same value and gradients.
         group: the process group (default: the world).
         sizes: every rank's batch size, if known (skips the size exchange).
+        weight: one weight ≥ 0 per local image row (no gradient); see above.
+        reduction: ``"mean"`` (this rank's share of the global mean) or ``"none"`` (per-row losses).
 
     Returns:
-        A scalar tensor: this rank's share of the global loss (0 for an empty global batch),
-        float32 (float64 for float64 features): the core runs in float32 with autocast off;
+        ``"mean"``: a scalar, this rank's share of the global loss (0 for an empty global batch or
+        all-zero weights); ``"none"``: this rank's per-row losses.
+        Float32 (float64 for float64 features): the core runs in float32 with autocast off;
         gradients come back in the inputs' dtypes.
 
     Shape:
-        image_features, text_features: ``(n_r, D)``; logit_scale, logit_bias: ``()``; output: ``()``.
+        image_features, text_features: ``(n_r, D)``; logit_scale, logit_bias: ``()``;
+        weight: ``(n_r,)``; output: ``()``, or ``(n_r,)`` with ``reduction="none"``.
 
     Example:
         >>> import torch
@@ -73,6 +90,8 @@ def siglip(
         >>> siglip(images, texts, scale, bias, chunk_size=3).backward()
         >>> bias.grad.shape
         torch.Size([])
+        >>> siglip(images, texts, scale, bias, reduction="none").shape
+        torch.Size([4])
 
     """
     with validated_on_all_ranks((image_features, text_features), group=group, sizes=sizes):
@@ -80,20 +99,40 @@ def siglip(
         scale = positive_scalar("logit_scale", logit_scale, image_features)
         bias = scalar_tensor("logit_bias", logit_bias, image_features)
         chunk_size = check_chunk_size(chunk_size)
-    gathered = all_gather(text_features, group=group, sizes=sizes)
-    factor = contract_factor(sum(gathered.sizes), get_world_size(group))
+        reduction = check_reduction(reduction, weight)
+        weights = check_weight(weight, image_features.shape[0], image_features)
+    own = (text_features,) + (() if weights is None else (weights,))
+    gathered = all_gather_many(own, group=group, sizes=sizes)
+    factor = mean_factor(get_world_size(group), sum(gathered.sizes), None if weights is None else gathered.tensors[1])
     with full_precision(image_features.device):
-        images, texts = upcast(image_features), upcast(gathered.tensor)
-        if chunk_size is None:
-            logits = (images * scale) @ texts.T + bias
-            rows = torch.arange(images.shape[0], device=logits.device)
-            signs = -torch.ones_like(logits)
-            signs[rows, rows + gathered.offset] = 1.0
-            return F.softplus(-signs * logits).sum() * factor
+        images, texts = upcast(image_features), upcast(gathered.tensors[0])
+        if chunk_size is None or reduction == "none":
+            block = functools.partial(_pair_rows, texts=texts, scale=scale, bias=bias, offset=gathered.offset)
+            if chunk_size is None:
+                rows = block(images, start=0)
+            else:
+                # Per-row results need per-row upstream gradients: each block is recomputed in
+                # backward (checkpointed), so memory stays at one block's logits.
+                rows = torch.cat([
+                    checkpoint(block, images[start : start + chunk_size], start=start, use_reentrant=False)
+                    for start in range(0, images.shape[0], chunk_size)
+                ]) if images.shape[0] else block(images, start=0)
+            if reduction == "none":
+                return rows
+            return (rows.sum() if weights is None else rows @ weights) * factor
         # One flag per input: a side without gradient skips its accumulator and product.
         wanted = tuple(torch.is_grad_enabled() and t.requires_grad for t in (images, texts, scale, bias))
-        total = _SigmoidPairsSum.apply(images, texts, scale, bias, gathered.offset, chunk_size, *wanted)
+        total = _SigmoidPairsSum.apply(images, texts, scale, bias, weights, gathered.offset, chunk_size, *wanted)
         return total * factor
+
+
+def _pair_rows(images: Tensor, *, texts: Tensor, scale: Tensor, bias: Tensor, offset: int, start: int) -> Tensor:
+    """``ℓ_i = Σ_j softplus(−z_ij · (s·x_i·y_j + b))`` for image rows ``start:start+len(images)``, by autograd."""
+    logits = (images * scale) @ texts.T + bias
+    rows = torch.arange(images.shape[0], device=logits.device)
+    signs = -torch.ones_like(logits)
+    signs[rows, rows + offset + start] = 1.0
+    return F.softplus(-signs * logits).sum(dim=1)
 
 
 class _SigmoidPairsSum(torch.autograd.Function):
@@ -106,6 +145,7 @@ class _SigmoidPairsSum(torch.autograd.Function):
         texts: Tensor,
         scale: Tensor,
         bias: Tensor,
+        weights: Tensor | None,
         offset: int,
         chunk_size: int,
         want_image: bool,
@@ -125,12 +165,15 @@ class _SigmoidPairsSum(torch.autograd.Function):
             rows = torch.arange(stop - start, device=images.device)
             matches = (rows, rows + offset + start)
             margins[matches] = -margins[matches]
-            total += F.softplus(margins).sum()
+            row_losses = F.softplus(margins).sum(dim=1)
+            total += row_losses.sum() if weights is None else row_losses @ weights[start:stop]
             if not (want_image or want_text or want_scale or want_bias):
                 continue
             # d softplus(−z·l)/dl = −z·σ(−z·l): σ(margin) off the diagonal, −σ(margin) on it.
             logit_grad = margins.sigmoid_()
             logit_grad[matches] = -logit_grad[matches]
+            if weights is not None:
+                logit_grad.mul_(weights[start:stop, None])
             if text_grad is not None:
                 text_grad.addmm_(logit_grad.T, scaled_images)
             if bias_grad is not None:
@@ -149,7 +192,7 @@ class _SigmoidPairsSum(torch.autograd.Function):
     @first_order_only
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         grads = tuple(None if grad is None else grad * grad_output for grad in ctx.saved_tensors)
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 class SigLIPLoss(nn.Module):
@@ -158,9 +201,11 @@ class SigLIPLoss(nn.Module):
     Args:
         chunk_size: image rows per block (bounded memory, same result); ``None``: all at once.
         group: the process group (default: the world).
+        reduction: ``"mean"`` or ``"none"`` (per-row losses; the caller normalises).
 
     Shape:
-        image_features, text_features: ``(n_r, D)``; logit_scale, logit_bias: ``()``; output: ``()``.
+        image_features, text_features: ``(n_r, D)``; logit_scale, logit_bias: ``()``;
+        weight: ``(n_r,)``; output: ``()``, or ``(n_r,)`` with ``reduction="none"``.
 
     Example:
         >>> import torch
@@ -171,10 +216,13 @@ class SigLIPLoss(nn.Module):
 
     """
 
-    def __init__(self, *, chunk_size: int | None = None, group: ProcessGroup | None = None) -> None:
+    def __init__(
+        self, *, chunk_size: int | None = None, group: ProcessGroup | None = None, reduction: Reduction = "mean"
+    ) -> None:
         super().__init__()
         self.chunk_size = check_chunk_size(chunk_size)
         self.group = group
+        self.reduction = check_reduction(reduction, None)
 
     def forward(
         self,
@@ -184,8 +232,9 @@ class SigLIPLoss(nn.Module):
         logit_bias: Tensor | float,
         *,
         sizes: Sequence[int] | None = None,
+        weight: Tensor | None = None,
     ) -> Tensor:
-        """Return this rank's share of the loss; see :func:`siglip`."""
+        """Return this rank's share of the loss (or its per-row losses); see :func:`siglip`."""
         return siglip(
             image_features,
             text_features,
@@ -194,8 +243,10 @@ class SigLIPLoss(nn.Module):
             chunk_size=self.chunk_size,
             group=self.group,
             sizes=sizes,
+            weight=weight,
+            reduction=self.reduction,
         )
 
     def extra_repr(self) -> str:
         """Show the options in ``repr``."""
-        return f"chunk_size={self.chunk_size}"
+        return f"chunk_size={self.chunk_size}, reduction={self.reduction!r}"

@@ -17,8 +17,9 @@ from contrastive_dist.losses._checks import (
     resolve_scale,
     validated_on_all_ranks,
 )
-from contrastive_dist.losses._chunked import full_precision, local_cross_entropy_sum, upcast
+from contrastive_dist.losses._chunked import Targets, cross_entropy, full_precision, upcast
 from contrastive_dist.losses._module import TemperatureLoss
+from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight
 
 __all__ = ["SupConLoss", "supcon"]
 
@@ -32,6 +33,8 @@ def supcon(
     chunk_size: int | None = None,
     group: ProcessGroup | None = None,
     sizes: Sequence[int] | None = None,
+    weight: Tensor | None = None,
+    reduction: Reduction = "mean",
 ) -> Tensor:
     """SupCon (``L_out``, all views as anchors) over the global batch; exact under data parallelism.
 
@@ -47,9 +50,20 @@ def supcon(
     gathered labels, so each rank returns ``(W / A) · Σ_{its anchors with positives} ℓ_a`` and
     the mean over ranks is the single-process loss, for any per-rank batch sizes (including 0).
 
+    **Conventions that differ from the paper's reference code** (``SupConLoss`` of
+    HobbitLong/SupContrast): there, anchors without positives count as 0 in a mean over *all*
+    ``N·V`` anchors, and the loss is multiplied by ``temperature / base_temperature``. To get its
+    value: ``reference = ours · (A / (N·V)) · (temperature / base_temperature)``.
+
     Features are used as given: L2-normalise them in the model, as in the paper. Labels are
-    gathered with the features (no gradient); the positive sums use per-class sums of the
-    gathered embeddings, so no ``N × N`` mask is built.
+    gathered with the features (no gradient). The positives' mean logit is taken from each
+    block's logits under a same-label mask (``chunk × N·V``, like the logits), so it stays exact
+    for large un-normalised features, and each ``ℓ_a`` is ≥ 0.
+
+    **Weights and reduction.** ``weight`` holds one weight per sample, shared by its views: the
+    loss is ``Σ_a w_a ℓ_a / Σ_a w_a`` over the global anchors with positives (this rank returns
+    ``W ·`` its weighted sum ``/ Σ_global``). ``reduction="none"`` returns this rank's ``ℓ_a``
+    (0 for an anchor without positives): the caller owns the normalisation.
 
     Args:
         features: this rank's embeddings, one view ``(n_r, D)`` or several ``(n_r, V, D)``.
@@ -60,14 +74,18 @@ def supcon(
         chunk_size: anchors per block (at most ``chunk_size × N·V`` logits at once); same result.
         group: the process group (default: the world).
         sizes: every rank's batch size ``n_r``, if known (skips the size exchange).
+        weight: one weight ≥ 0 per local sample (no gradient); see above.
+        reduction: ``"mean"`` (this rank's share of the global mean) or ``"none"`` (per-anchor losses).
 
     Returns:
-        A scalar tensor: this rank's share of the global loss, float32 (float64 for float64
+        ``"mean"``: a scalar, this rank's share of the global loss; ``"none"``: this rank's
+        per-anchor losses. Float32 (float64 for float64
         features): the core runs in float32 with autocast off; gradients come back in the
         features' dtype.
 
     Shape:
-        features: ``(n_r, D)`` or ``(n_r, V, D)``; labels: ``(n_r,)``; logit_scale: ``()``; output: ``()``.
+        features: ``(n_r, D)`` or ``(n_r, V, D)``; labels, weight: ``(n_r,)``; logit_scale: ``()``;
+        output: ``()``, or with ``reduction="none"`` ``(n_r,)`` / ``(n_r, V)`` like ``features[..., 0]``.
 
     Example:
         >>> import torch
@@ -78,6 +96,8 @@ def supcon(
         >>> supcon(features, labels, temperature=0.1).backward()
         >>> features.grad.shape
         torch.Size([6, 2, 8])
+        >>> supcon(features, labels, reduction="none").shape
+        torch.Size([6, 2])
 
     """
     with validated_on_all_ranks((features, labels), group=group, sizes=sizes):
@@ -85,33 +105,39 @@ def supcon(
         _check_labels(labels, features.shape[0])
         scale = resolve_scale(logit_scale, check_temperature(temperature), features)
         chunk_size = check_chunk_size(chunk_size)
-    gathered = all_gather_many((features, labels), group=group, sizes=sizes)
-    all_features, all_labels = gathered.tensors
+        reduction = check_reduction(reduction, weight)
+        weights = check_weight(weight, features.shape[0], features)
+    own = (features, labels) + (() if weights is None else (weights,))
+    gathered = all_gather_many(own, group=group, sizes=sizes)
+    all_features, all_labels = gathered.tensors[:2]
     views = 1 if features.ndim == 2 else features.shape[1]
     dim = features.shape[-1]
-    classes, key_class = torch.unique(all_labels.repeat_interleave(views), return_inverse=True)
-    class_counts = torch.bincount(key_class, minlength=classes.numel())
-    positives_per_key = class_counts[key_class] - 1
-    anchors_with_positives = (positives_per_key > 0).sum()
+    # One row per embedding, sample-major: the embedding (sample s, view v) is row s·V + v.
+    key_labels = all_labels.repeat_interleave(views)
+    _, key_class = torch.unique(key_labels, return_inverse=True)
+    has_positives = torch.bincount(key_class)[key_class] > 1
     first_local_key = gathered.offset * views
+    local_count = features.shape[0] * views
+    anchor_rows = torch.nonzero(has_positives[first_local_key : first_local_key + local_count]).flatten()
+    anchor_keys = anchor_rows + first_local_key
+    targets = Targets(query_labels=key_labels[anchor_keys], key_labels=key_labels, excluded=anchor_keys)
     with full_precision(features.device):
-        # One row per embedding, sample-major: the embedding (sample s, view v) is row s·V + v.
-        # In the core's dtype from here on: the class sums add up many embeddings.
         keys = upcast(all_features.reshape(-1, dim))
-        queries = upcast(features.reshape(-1, dim))
-        local_positives = positives_per_key[first_local_key : first_local_key + queries.shape[0]]
-        anchor_rows = torch.nonzero(local_positives > 0).flatten()
-        anchor_keys = anchor_rows + first_local_key
-        class_sums = keys.new_zeros(classes.numel(), dim).index_add(0, key_class, keys)
-        # Σ_{p ∈ P(a)} f_p = (sum of the anchor's class) − f_a; dividing by |P(a)| makes it a mean.
-        positive_sums = class_sums[key_class[anchor_keys]] - keys[anchor_keys]
-        positive_means = positive_sums / local_positives[anchor_rows, None].to(keys.dtype)
-        loss_sum = local_cross_entropy_sum(
-            queries[anchor_rows], keys, scale, positive_means, excluded=anchor_keys, chunk_size=chunk_size
-        )
+        queries = upcast(features.reshape(-1, dim))[anchor_rows]
+        if reduction == "none":
+            rows = cross_entropy(queries, keys, scale, targets, chunk_size=chunk_size, reduction="none")
+            every_row = rows.new_zeros(local_count).index_put((anchor_rows,), rows)
+            return every_row.view(features.shape[:-1])
+        row_weights = None if weights is None else weights.repeat_interleave(views)[anchor_rows]
+        loss_sum = cross_entropy(queries, keys, scale, targets, chunk_size=chunk_size, row_weights=row_weights)
+        if weights is None:
+            denominator = has_positives.sum().to(loss_sum.dtype)
+        else:
+            denominator = gathered.tensors[2].repeat_interleave(views)[has_positives].sum()
         # W / A as a tensor (no host sync), in the core's dtype (A is exact there, unlike in
-        # bf16 above 256); A = 0 means no rank has an anchor and loss_sum is 0.
-        return loss_sum * (get_world_size(group) / anchors_with_positives.clamp(min=1).to(loss_sum.dtype))
+        # bf16 above 256); A = 0 (or all weights 0) means the sum is 0 too.
+        positive = denominator > 0
+        return loss_sum * torch.where(positive, get_world_size(group) / torch.where(positive, denominator, 1.0), 0.0)
 
 
 def _check_labels(labels: object, batch_size: int) -> None:
@@ -130,9 +156,11 @@ class SupConLoss(TemperatureLoss):
         temperature: divides the similarities when ``forward`` gets no ``logit_scale``; > 0.
         chunk_size: anchors per block (bounded memory, same result); ``None``: all at once.
         group: the process group (default: the world).
+        reduction: ``"mean"`` or ``"none"`` (per-anchor losses; the caller normalises).
 
     Shape:
-        features: ``(n_r, D)`` or ``(n_r, V, D)``; labels: ``(n_r,)``; logit_scale: ``()``; output: ``()``.
+        features: ``(n_r, D)`` or ``(n_r, V, D)``; labels, weight: ``(n_r,)``; logit_scale: ``()``;
+        output: ``()``, or ``(n_r,)`` / ``(n_r, V)`` with ``reduction="none"``.
 
     Example:
         >>> import torch
@@ -145,9 +173,14 @@ class SupConLoss(TemperatureLoss):
     """
 
     def __init__(
-        self, *, temperature: float = 0.1, chunk_size: int | None = None, group: ProcessGroup | None = None
+        self,
+        *,
+        temperature: float = 0.1,
+        chunk_size: int | None = None,
+        group: ProcessGroup | None = None,
+        reduction: Reduction = "mean",
     ) -> None:
-        super().__init__(temperature=temperature, chunk_size=chunk_size, group=group)
+        super().__init__(temperature=temperature, chunk_size=chunk_size, group=group, reduction=reduction)
 
     def forward(
         self,
@@ -156,8 +189,9 @@ class SupConLoss(TemperatureLoss):
         logit_scale: Tensor | float | None = None,
         *,
         sizes: Sequence[int] | None = None,
+        weight: Tensor | None = None,
     ) -> Tensor:
-        """Return this rank's share of the loss; see :func:`supcon`."""
+        """Return this rank's share of the loss (or its per-anchor losses); see :func:`supcon`."""
         return supcon(
             features,
             labels,
@@ -166,4 +200,6 @@ class SupConLoss(TemperatureLoss):
             chunk_size=self.chunk_size,
             group=self.group,
             sizes=sizes,
+            weight=weight,
+            reduction=self.reduction,
         )
