@@ -6,6 +6,7 @@ from contrastive_dist.gather import Gathered, GatheredMany, all_gather, all_gath
 from contrastive_dist.losses import (
     DistributedInfoNCE,
     NTXentLoss,
+    SharedNegatives,
     SigLIPLoss,
     SupConLoss,
     info_nce,
@@ -15,6 +16,7 @@ from contrastive_dist.losses import (
 )
 from contrastive_dist.metrics import retrieval_accuracy
 from contrastive_dist.norm import SyncBatchNorm, convert_sync_batchnorm
+from contrastive_dist.queue import DistributedMemoryQueue
 from contrastive_dist.sampler import DistributedBatchSampler
 
 __all__ = [
@@ -26,6 +28,8 @@ __all__ = [
     "nt_xent",
     "siglip",
     "supcon",
+    "SharedNegatives",
+    "DistributedMemoryQueue",
     "retrieval_accuracy",
     "Gathered",
     "GatheredMany",

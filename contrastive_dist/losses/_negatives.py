@@ -33,7 +33,7 @@ def check_negatives(negatives: object, texts: Tensor) -> Tensor | SharedNegative
         return None
     shared = isinstance(negatives, SharedNegatives)
     name = "negatives.keys" if shared else "negatives"
-    keys = check_features(name, negatives.keys if shared else negatives)  # type: ignore[union-attr]
+    keys = check_features(name, negatives.keys if isinstance(negatives, SharedNegatives) else negatives)
     if keys.shape[1] != texts.shape[1]:
         raise ValueError(
             f"{name} must have the text features' width D={texts.shape[1]}, got shape {tuple(keys.shape)}"

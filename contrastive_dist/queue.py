@@ -1,0 +1,115 @@
+"""A memory queue of past keys (MoCo-style negatives) that is the same on every rank.
+
+Each step, every rank calls :meth:`DistributedMemoryQueue.enqueue` with its own keys (any number,
+0 included); the keys of all ranks are gathered in rank order, i.e. in the order of the global
+batch, and pushed together. So after any sequence of global batches every rank holds the queue
+that one process would hold after pushing the same global batches, whatever the per-rank split,
+and the queue size need not be a multiple of anything: a short last batch pushes fewer keys.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from contrastive_dist.gather import all_gather, raise_on_all_ranks
+from contrastive_dist.losses import SharedNegatives
+
+__all__ = ["DistributedMemoryQueue"]
+
+
+class DistributedMemoryQueue(nn.Module):
+    """A FIFO of the last ``size`` keys of the global batches, identical on every rank.
+
+    The keys live in buffers (``memory``, newest first, and ``count``, how many are filled), so a
+    DDP or Lightning checkpoint carries the queue, and ``state_dict`` / ``load_state_dict`` resume
+    it exactly. Being the same on every rank, the buffers are unaffected by DDP's buffer broadcast.
+
+    Order: within one global batch, later rows are newer (rank 0's keys are pushed first, each
+    rank's in row order), so :attr:`negatives` starts with the last row of the last global batch.
+
+    Args:
+        size: how many keys the queue holds (> 0).
+        dim: the keys' width ``D`` (> 0).
+        dtype: the dtype the keys are stored in (keys are cast to it).
+        group: the process group (default: the world).
+
+    Shape:
+        enqueue's keys: ``(n_r, D)``; negatives.keys: ``(min(pushed, size), D)``.
+
+    Example:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from contrastive_dist import DistributedMemoryQueue, info_nce
+        >>> queue = DistributedMemoryQueue(size=6, dim=8)
+        >>> for step in range(3):
+        ...     queries = F.normalize(torch.randn(4, 8), dim=-1).requires_grad_()
+        ...     keys = F.normalize(torch.randn(4, 8), dim=-1)
+        ...     loss = info_nce(queries, keys, symmetric=False, negatives=queue.negatives)
+        ...     loss.backward()
+        ...     queue.enqueue(keys)
+        >>> len(queue), queue.negatives.keys.shape
+        (6, torch.Size([6, 8]))
+
+    """
+
+    memory: Tensor
+    count: Tensor
+
+    def __init__(
+        self, size: int, dim: int, *, dtype: torch.dtype = torch.float32, group: ProcessGroup | None = None
+    ) -> None:
+        super().__init__()
+        for name, value in (("size", size), ("dim", dim)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be a positive int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        self.size, self.dim, self.group = size, dim, group
+        self.register_buffer("memory", torch.zeros(size, dim, dtype=dtype))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def __len__(self) -> int:
+        """How many keys the queue holds now (at most ``size``)."""
+        return int(self.count)
+
+    @property
+    def negatives(self) -> SharedNegatives:
+        """The queue's keys, newest first, without gradient, for ``info_nce(..., negatives=)``.
+
+        A copy: it stays what it was when taken, whatever :meth:`enqueue` does afterwards.
+        """
+        return SharedNegatives(self.memory[: int(self.count)].clone())
+
+    @torch.no_grad()
+    def enqueue(self, keys: Tensor) -> None:
+        """Push every rank's ``keys`` (detached), gathered in rank order; call on every rank each step.
+
+        Raises:
+            ValueError / TypeError: on every rank, when a rank's keys are not ``(n_r, dim)`` floats or
+                the ranks' queues disagree on ``dim``.
+        """
+        try:
+            if not isinstance(keys, Tensor):
+                raise TypeError(f"keys must be a torch.Tensor of shape (n, {self.dim}), got {type(keys).__name__}")
+            if keys.ndim != 2 or keys.shape[1] != self.dim:
+                raise ValueError(f"keys must have shape (n, {self.dim}) for this queue, got {tuple(keys.shape)}")
+            if not keys.is_floating_point():
+                raise TypeError(f"keys must be a floating-point tensor, got {keys.dtype}")
+        except (ValueError, TypeError) as error:
+            raise_on_all_ranks(error, (keys,), group=self.group)
+        local = keys.detach().to(dtype=self.memory.dtype, device=self.memory.device)
+        pushed = all_gather(local, group=self.group).tensor  # a width that differs by rank raises here
+        newest_first = pushed.flip(0)[: self.size]
+        kept = min(int(self.count), self.size - newest_first.shape[0])
+        # Older keys move down by the number pushed (a copy: source and target overlap).
+        self.memory[newest_first.shape[0] : newest_first.shape[0] + kept] = self.memory[:kept].clone()
+        self.memory[: newest_first.shape[0]] = newest_first
+        self.count.fill_(newest_first.shape[0] + kept)
+
+    def extra_repr(self) -> str:
+        """Show size, dim and fill in ``repr``."""
+        return f"size={self.size}, dim={self.dim}, count={int(self.count)}"
