@@ -45,7 +45,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from contrastive_dist.losses import _chunked
 from contrastive_dist.testing import run_distributed
 
 METHODS = (
@@ -102,15 +101,19 @@ def _build(method: str, rank: int, world_size: int, dim: int) -> Callable[..., t
 
     if method.startswith("clip"):
         chunk = int(method.split("chunk")[1].split("_")[0]) if "chunk" in method else None
+        if method.endswith("_recompute"):
+            # Per-row losses (reduction="none") recompute each block in backward: 4 products per
+            # block instead of 3. Summed and scaled like the mean, it is the same loss and gradient.
+            rows_criterion = DistributedInfoNCE(chunk_size=chunk, reduction="none")
+
+            def recompute(images: torch.Tensor, texts: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+                total = images.new_tensor(float(images.shape[0]))
+                dist.all_reduce(total)
+                return rows_criterion(images, texts, scale).sum() * (world_size / total)
+
+            return recompute
         criterion = DistributedInfoNCE(chunk_size=chunk)
-        kernel: Any = _RecomputeDispatch if method.endswith("_recompute") else _FORWARD_GRADIENTS_KERNEL
-
-        def ours(images: torch.Tensor, texts: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-            # Only in this worker process: route the package's kernel to the variant measured.
-            _chunked._LogSumExpGradInForward = kernel  # type: ignore[misc]
-            return criterion(images, texts, scale)
-
-        return ours
+        return lambda images, texts, scale: criterion(images, texts, scale)
     if method == "ntxent_chunk256":
         ntxent = NTXentLoss(chunk_size=256)
         return lambda images, texts, scale: ntxent(images, texts)
@@ -132,53 +135,6 @@ def _build(method: str, rank: int, world_size: int, dim: int) -> Callable[..., t
     if method == "gemm_floor":
         return _gemm_floor
     raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
-
-
-_FORWARD_GRADIENTS_KERNEL = _chunked._LogSumExpGradInForward
-"""The package's kernel: gradients formed in forward (3 products per block), scaled in backward."""
-
-
-class _LogSumExpRecompute(torch.autograd.Function):
-    """The alternative measured against it: keep per-row results, recompute the logits in backward (4)."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, queries: torch.Tensor, keys: torch.Tensor, scale: torch.Tensor, excluded: Any, chunk_size: int
-    ) -> torch.Tensor:
-        row_lse = queries.new_empty(queries.shape[0])
-        for start in range(0, queries.shape[0], chunk_size):
-            stop = min(start + chunk_size, queries.shape[0])
-            logits = _chunked.block_logits(queries, keys, scale, excluded, start, stop)
-            row_lse[start:stop] = torch.logsumexp(logits, dim=1)
-        ctx.save_for_backward(queries, keys, scale, excluded, row_lse)
-        ctx.chunk_size = chunk_size
-        return row_lse.sum()
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        queries, keys, scale, excluded, row_lse = ctx.saved_tensors
-        query_grad, key_grad, scale_grad = torch.empty_like(queries), torch.zeros_like(keys), queries.new_zeros(())
-        for start in range(0, queries.shape[0], ctx.chunk_size):
-            stop = min(start + ctx.chunk_size, queries.shape[0])
-            logits = _chunked.block_logits(queries, keys, scale, excluded, start, stop)
-            probabilities = logits.sub_(row_lse[start:stop, None]).exp_()
-            weighted_keys, scale_part = _chunked.block_gradients(
-                probabilities, queries, keys, scale, start, stop, key_grad
-            )
-            query_grad[start:stop] = weighted_keys * scale
-            scale_grad += scale_part
-        return query_grad * grad_output, key_grad * grad_output, scale_grad * grad_output, None, None
-
-
-class _RecomputeDispatch:
-    """Stands in for the package's kernel class: same ``apply`` arguments, recompute variant."""
-
-    @staticmethod
-    def apply(
-        queries: torch.Tensor, keys: torch.Tensor, scale: torch.Tensor, excluded: Any, chunk_size: int, *wanted: bool
-    ) -> torch.Tensor:
-        return _LogSumExpRecompute.apply(queries, keys, scale, excluded, chunk_size)
 
 
 def _gemm_floor(images: torch.Tensor, texts: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
