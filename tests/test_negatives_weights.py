@@ -289,12 +289,21 @@ def _bad_inputs_on_rank_one(rank: int, world_size: int) -> dict[str, tuple[str, 
             outcome[name] = ("no error", "")
         except (ValueError, TypeError) as error:
             outcome[name] = (type(error).__name__, str(error).split("\n")[0])
-    # Weights on one rank only: the gathers disagree, so every rank raises (no hang in a collective).
-    try:
-        info_nce(images, texts, weight=ones if bad else None)
-        outcome["weight on one rank"] = ("no error", "")
-    except ValueError as error:
-        outcome["weight on one rank"] = ("ValueError", str(error).split("\n")[0])
+    # On one rank only, weights or negatives would change which collectives run: the features'
+    # gather disagrees instead, so every rank raises (no hang).
+    on_one_rank: dict[str, Callable[[], object]] = {
+        "weight on one rank": lambda: info_nce(images, texts, weight=ones if bad else None),
+        "negatives on one rank": lambda: info_nce(images, texts, negatives=torch.randn(2, 5) if bad else None),
+        "shared on one rank": lambda: info_nce(
+            images, texts, negatives=SharedNegatives(torch.randn(2, 5)) if bad else torch.randn(2, 5)
+        ),
+    }
+    for name, call in on_one_rank.items():
+        try:
+            call()
+            outcome[name] = ("no error", "")
+        except ValueError as error:
+            outcome[name] = ("ValueError", str(error).split("\n")[0])
     outcome["after"] = float(info_nce(images, texts, negatives=torch.randn(rank, 5), weight=ones))
     return outcome
 
@@ -308,6 +317,6 @@ def test_bad_negatives_and_weights_on_one_rank_raise_on_every_rank(pool: Callabl
             kind, message = result  # type: ignore[misc]
             expected_kind = "TypeError" if "dtype" in name else "ValueError"
             assert kind == expected_kind, f"rank {rank} {name}: {kind} {message}"
-            if name != "weight on one rank":
-                assert "(on rank 1;" in message, f"rank {rank} {name}: {message}"
+            expected_text = "do not agree" if name.endswith("on one rank") else "(on rank 1;"
+            assert expected_text in message, f"rank {rank} {name}: {message}"
             assert outcome[name] == per_rank[1][name], f"rank {rank} {name}: not the same error as rank 1"

@@ -10,7 +10,7 @@ from torch.distributed import ProcessGroup
 from contrastive_dist.gather import all_gather
 from contrastive_dist.losses._checks import check_features
 
-__all__ = ["SharedNegatives", "check_negatives", "negative_columns"]
+__all__ = ["SharedNegatives", "check_negatives", "negative_columns", "negatives_marker"]
 
 
 class SharedNegatives(NamedTuple):
@@ -41,6 +41,19 @@ def check_negatives(negatives: object, texts: Tensor) -> Tensor | SharedNegative
     if not shared and keys.dtype != texts.dtype:
         raise TypeError(f"negatives must have the text features' dtype {texts.dtype}, got {keys.dtype}")
     return SharedNegatives(keys.detach()) if shared else keys
+
+
+def negatives_marker(negatives: Tensor | SharedNegatives | None, texts: Tensor) -> tuple[Tensor, ...]:
+    """A zero-width tensor that says which kind of negatives this rank passes, for the features' gather.
+
+    It costs nothing on the wire, but its shape enters the gather's agreement: a rank passing own
+    negatives while another passes none (it would wait alone in the negatives' gather) or shared
+    ones raises the same clear error on every rank instead of hanging.
+    """
+    if negatives is None:
+        return ()
+    shape = (texts.shape[0], 0, 0) if isinstance(negatives, SharedNegatives) else (texts.shape[0], 0)
+    return (texts.new_zeros(shape),)
 
 
 def negative_columns(negatives: Tensor | SharedNegatives, group: ProcessGroup | None) -> Tensor:

@@ -20,7 +20,7 @@ from contrastive_dist.losses._checks import (
 )
 from contrastive_dist.losses._chunked import Targets, cross_entropy
 from contrastive_dist.losses._module import TemperatureLoss
-from contrastive_dist.losses._negatives import SharedNegatives, check_negatives, negative_columns
+from contrastive_dist.losses._negatives import SharedNegatives, check_negatives, negative_columns, negatives_marker
 from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight, mean_factor
 
 __all__ = ["DistributedInfoNCE", "info_nce"]
@@ -118,7 +118,8 @@ def info_nce(
         negatives = check_negatives(negatives, text_features)
     world_size = get_world_size(group)
     own = (image_features, text_features) if symmetric else (text_features,)
-    gathered = all_gather_many(own + (() if weights is None else (weights,)), group=group, sizes=sizes)
+    extras = (() if weights is None else (weights,)) + negatives_marker(negatives, text_features)
+    gathered = all_gather_many(own + extras, group=group, sizes=sizes)
     all_texts = gathered.tensors[len(own) - 1]
     text_columns = all_texts if negatives is None else torch.cat((all_texts, negative_columns(negatives, group)))
     local_rows = torch.arange(image_features.shape[0], device=image_features.device)
@@ -132,7 +133,8 @@ def info_nce(
     total = one_direction(image_features, text_columns, row_weights=weights)
     if symmetric:
         total = (total + one_direction(text_features, gathered.tensors[0], row_weights=weights)) * 0.5
-    return total * mean_factor(world_size, sum(gathered.sizes), None if weights is None else gathered.tensors[-1])
+    all_weights = None if weights is None else gathered.tensors[len(own)]
+    return total * mean_factor(world_size, sum(gathered.sizes), all_weights)
 
 
 class DistributedInfoNCE(TemperatureLoss):
