@@ -320,3 +320,17 @@ def test_bad_negatives_and_weights_on_one_rank_raise_on_every_rank(pool: Callabl
             expected_text = "do not agree" if name.endswith("on one rank") else "(on rank 1;"
             assert expected_text in message, f"rank {rank} {name}: {message}"
             assert outcome[name] == per_rank[1][name], f"rank {rank} {name}: not the same error as rank 1"
+
+
+def test_shared_negatives_in_another_dtype_than_the_features() -> None:
+    # A float32 (or float64) queue beside bf16 features: the columns meet in the core's float32.
+    generator = torch.Generator().manual_seed(4)
+    images = F.normalize(torch.randn(6, 8, generator=generator), dim=-1).bfloat16()
+    texts = F.normalize(torch.randn(6, 8, generator=generator), dim=-1).bfloat16()
+    for queue_dtype in (torch.float32, torch.float64):
+        shared = F.normalize(torch.randn(5, 8, generator=generator), dim=-1).to(queue_dtype)
+        for chunk_size in (None, 4):
+            loss = info_nce(images, texts, 5.0, negatives=SharedNegatives(shared), chunk_size=chunk_size)
+            expected = clip_rows(images.double(), texts.double(), torch.tensor(5.0).double(), shared.double(), True)
+            assert loss.dtype == torch.float32
+            torch.testing.assert_close(loss.double(), expected.mean(), rtol=1e-6, atol=0)

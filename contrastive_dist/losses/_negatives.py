@@ -40,7 +40,7 @@ def check_negatives(negatives: object, texts: Tensor) -> Tensor | SharedNegative
         )
     if not shared and keys.dtype != texts.dtype:
         raise TypeError(f"negatives must have the text features' dtype {texts.dtype}, got {keys.dtype}")
-    return SharedNegatives(keys.detach()) if shared else keys
+    return SharedNegatives(keys.detach().to(texts.device)) if shared else keys
 
 
 def negatives_marker(negatives: Tensor | SharedNegatives | None, texts: Tensor) -> tuple[Tensor, ...]:

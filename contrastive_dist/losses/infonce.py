@@ -18,7 +18,7 @@ from contrastive_dist.losses._checks import (
     resolve_scale,
     validated_on_all_ranks,
 )
-from contrastive_dist.losses._chunked import Targets, cross_entropy
+from contrastive_dist.losses._chunked import Targets, cross_entropy, upcast
 from contrastive_dist.losses._module import TemperatureLoss
 from contrastive_dist.losses._negatives import SharedNegatives, check_negatives, negative_columns, negatives_marker
 from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight, mean_factor
@@ -121,16 +121,19 @@ def info_nce(
     extras = (() if weights is None else (weights,)) + negatives_marker(negatives, text_features)
     gathered = all_gather_many(own + extras, group=group, sizes=sizes)
     all_texts = gathered.tensors[len(own) - 1]
-    text_columns = all_texts if negatives is None else torch.cat((all_texts, negative_columns(negatives, group)))
+    if negatives is not None:
+        # In the core's dtype: shared keys (a float32 queue) may differ from bf16/fp16 features.
+        all_texts = upcast(all_texts)
+        all_texts = torch.cat((all_texts, negative_columns(negatives, group).to(all_texts.dtype)))
     local_rows = torch.arange(image_features.shape[0], device=image_features.device)
     positives = Targets(columns=local_rows + gathered.offset)
     one_direction = functools.partial(cross_entropy, scale=scale, targets=positives, chunk_size=chunk_size)
     if reduction == "none":
-        rows = one_direction(image_features, text_columns, reduction="none")
+        rows = one_direction(image_features, all_texts, reduction="none")
         if symmetric:
             rows = (rows + one_direction(text_features, gathered.tensors[0], reduction="none")) * 0.5
         return rows
-    total = one_direction(image_features, text_columns, row_weights=weights)
+    total = one_direction(image_features, all_texts, row_weights=weights)
     if symmetric:
         total = (total + one_direction(text_features, gathered.tensors[0], row_weights=weights)) * 0.5
     all_weights = None if weights is None else gathered.tensors[len(own)]
