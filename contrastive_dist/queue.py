@@ -9,6 +9,8 @@ and the queue size need not be a multiple of anything: a short last batch pushes
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
@@ -109,6 +111,12 @@ class DistributedMemoryQueue(nn.Module):
         self.memory[newest_first.shape[0] : newest_first.shape[0] + kept] = self.memory[:kept].clone()
         self.memory[: newest_first.shape[0]] = newest_first
         self.count.fill_(newest_first.shape[0] + kept)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        count = state_dict.get(prefix + "count")
+        if isinstance(count, Tensor) and count.numel() == 1 and not 0 <= int(count) <= self.size:
+            raise ValueError(f"a saved queue's count must be in [0, {self.size}], got {int(count)}")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         """Show size, dim and fill in ``repr``."""

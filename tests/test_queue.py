@@ -100,6 +100,8 @@ def test_invalid_construction_and_keys_raise() -> None:
         queue.enqueue(torch.ones(2, 4, dtype=torch.long))
     with pytest.raises(RuntimeError, match="size mismatch"):
         queue.load_state_dict(DistributedMemoryQueue(5, 4).state_dict())
+    with pytest.raises(ValueError, match=r"count must be in \[0, 4\], got 9"):
+        queue.load_state_dict({"memory": torch.zeros(4, 4), "count": torch.tensor(9)})
 
 
 def _mismatch_on_rank_one(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
