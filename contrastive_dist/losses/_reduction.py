@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from contrastive_dist.losses._checks import compute_dtype
+from contrastive_dist.losses._chunked import contract_factor
 
 __all__ = ["Reduction", "check_reduction", "check_weight", "mean_factor"]
 
@@ -66,6 +67,6 @@ def mean_factor(world_size: int, count: int, gathered_weights: Tensor | None) ->
     per-row losses, it makes the mean over ranks the global (weighted) mean.
     """
     if gathered_weights is None:
-        return world_size / count if count > 0 else 0.0
+        return contract_factor(count, world_size)
     total = gathered_weights.sum()
     return torch.where(total > 0, world_size / torch.where(total > 0, total, 1.0), 0.0)
