@@ -117,3 +117,20 @@ def test_every_softmax_loss_matches_float64_on_large_features() -> None:
     torch.testing.assert_close(info_nce(a, b, 1e-6).double(), expected, rtol=1e-5, atol=0)
     expected = ntxent_reference(a.double(), b.double(), 2.0)
     torch.testing.assert_close(nt_xent(a, b, temperature=0.5).double(), expected, rtol=1e-5, atol=0)
+
+
+def test_losses_without_gradients_equal_the_losses_with_them() -> None:
+    # Under no_grad the kernel skips the gradient products; the values must not change.
+    images, texts = _unit(9, 6, seed=7).requires_grad_(), _unit(9, 6, seed=8)
+    labels = torch.tensor([0, 1, 0, 1, 2, 2, 0, 1, 3])
+    for chunk_size in (None, 4):
+        calls = (
+            lambda: info_nce(images, texts, chunk_size=chunk_size),
+            lambda: info_nce(images, texts, chunk_size=chunk_size, reduction="none"),
+            lambda: nt_xent(images, texts, chunk_size=chunk_size),
+            lambda: supcon(images, labels, chunk_size=chunk_size),
+        )
+        for call in calls:
+            with_grad = call()
+            with torch.no_grad():
+                assert torch.equal(call(), with_grad.detach())

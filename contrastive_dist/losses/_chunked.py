@@ -138,6 +138,8 @@ def _all_blocks(
     grads: Grads | None,
 ) -> Tensor:
     """Every block in turn; returns the rows ``ℓ_i`` and fills ``grads`` (weighted by ``weights``)."""
+    if grads is not None and grads.query is None and grads.key is None and grads.scale is None:
+        grads = None  # nothing needs a gradient (inference): the losses alone, one product per block
     rows = queries.new_empty(queries.shape[0])
     for start in range(0, queries.shape[0], chunk):
         stop = min(start + chunk, queries.shape[0])

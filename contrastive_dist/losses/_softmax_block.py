@@ -66,7 +66,7 @@ def block_rows(
     """
     block = queries[start:stop]
     logits = (block * scale) @ keys.T
-    positive_mask = _positive_mask(targets, start, stop, logits.shape[1])
+    positive_mask = _positive_mask(targets, start, stop)
     if positive_mask is None:
         columns = targets.columns[start:stop, None]  # type: ignore[index]
         positive = logits.gather(1, columns).squeeze(1)
@@ -104,11 +104,11 @@ def block_rows(
     return rows
 
 
-def _positive_mask(targets: Targets, start: int, stop: int, width: int) -> Tensor | None:
+def _positive_mask(targets: Targets, start: int, stop: int) -> Tensor | None:
     """``(stop − start, N)``: True where a column shares the row's label (its excluded column left out)."""
     if targets.query_labels is None or targets.key_labels is None:
         return None
-    mask = targets.query_labels[start:stop, None] == targets.key_labels[None, :width]
+    mask = targets.query_labels[start:stop, None] == targets.key_labels[None, :]
     if targets.excluded is not None:
         mask.scatter_(1, targets.excluded[start:stop, None], False)
     return mask
