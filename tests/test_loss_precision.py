@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -125,10 +127,10 @@ def test_losses_without_gradients_equal_the_losses_with_them() -> None:
     labels = torch.tensor([0, 1, 0, 1, 2, 2, 0, 1, 3])
     for chunk_size in (None, 4):
         calls = (
-            lambda: info_nce(images, texts, chunk_size=chunk_size),
-            lambda: info_nce(images, texts, chunk_size=chunk_size, reduction="none"),
-            lambda: nt_xent(images, texts, chunk_size=chunk_size),
-            lambda: supcon(images, labels, chunk_size=chunk_size),
+            functools.partial(info_nce, images, texts, chunk_size=chunk_size),
+            functools.partial(info_nce, images, texts, chunk_size=chunk_size, reduction="none"),
+            functools.partial(nt_xent, images, texts, chunk_size=chunk_size),
+            functools.partial(supcon, images, labels, chunk_size=chunk_size),
         )
         for call in calls:
             with_grad = call()
