@@ -20,7 +20,8 @@ class Targets(NamedTuple):
     Attributes:
         columns: ``(n,)`` the positive's column per row (CLIP, NT-Xent), or None.
         query_labels: ``(n,)`` with ``key_labels`` ``(N,)``: the positives are the columns with
-            the row's label (SupCon; the target is their mean), or None.
+            the row's label (SupCon; the target is their mean), or None. Floating-point class
+            indices (exact: below 2**24 in float32).
         key_labels: see ``query_labels``.
         excluded: ``(n,)`` a column each row leaves out of its softmax (its own sample), or None.
     """
@@ -66,51 +67,66 @@ def block_rows(
     """
     block = queries[start:stop]
     logits = (block * scale) @ keys.T
-    positive_mask = _positive_mask(targets, start, stop)
-    if positive_mask is None:
-        columns = targets.columns[start:stop, None]  # type: ignore[index]
+    columns = None if targets.columns is None else targets.columns[start:stop, None]
+    if columns is not None:
         positive = logits.gather(1, columns).squeeze(1)
     else:
         # The mean positive logit from the logits themselves: no class sum minus the anchor,
         # which cancels for large features.
-        positive_count = positive_mask.sum(dim=1).to(logits.dtype)
-        positive = torch.where(positive_mask, logits, 0.0).sum(dim=1) / positive_count
+        positive_mask = _positive_mask(targets, start, stop, logits)
+        positive_count = positive_mask.sum(dim=1)
+        positive = torch.linalg.vecdot(positive_mask, logits) / positive_count
     if targets.excluded is not None:
         logits.scatter_(1, targets.excluded[start:stop, None], float("-inf"))
-    row_max, argmax = logits.max(dim=1)
-    # One exp pass serves the loss and the softmax, in place in the logits' memory. The maximum's
-    # own term (exactly 1) stays out of the sum, so that log1p keeps a small sum's precision.
-    exponentials = logits.sub_(row_max[:, None]).exp_().scatter_(1, argmax[:, None], 0.0)
-    others = exponentials.sum(dim=1)
-    # Each part is >= 0; the clamp only undoes a rounding of the mean positive above the maximum.
-    rows = (row_max - positive).clamp_(min=0.0) + others.log1p()
+    # amax, not max(dim) with indices: the latter costs as much as the exp pass on CPU.
+    row_max = logits.amax(dim=1)
+    shifted = logits.sub_(row_max[:, None])  # in place: the logits' memory serves the softmax
+    if columns is not None:
+        # One term left out of the sum, the positive's own: S = Σ_{j ≠ pos} exp(l_j − m), and
+        # ℓ = (m − l_pos) + log1p(S + e_pos − 1), with e_pos exactly 1 when the positive is the maximum.
+        positive_shift = positive - row_max
+        own = torch.where(positive_shift == 0, 1.0, positive_shift.exp())
+        exponentials = shifted.exp_().scatter_(1, columns, 0.0)
+        others = exponentials.sum(dim=1)
+        row_sum = others + own
+        rows = torch.log1p(others + (own - 1.0)) - positive_shift
+    else:
+        # The maximum's own term (exactly 1) left out of the sum, counted instead: ties included.
+        # (Comparisons written into a float tensor: several times faster than bool masks on CPU.)
+        at_max = torch.eq(shifted, 0.0, out=torch.empty_like(shifted))
+        exponentials = shifted.exp_()
+        exponentials.addcmul_(at_max, exponentials, value=-1.0)  # the maxima's terms out ...
+        others = exponentials.sum(dim=1) + (at_max.sum(dim=1) - 1.0)
+        row_sum = others + 1.0
+        exponentials.add_(at_max)  # ... and back in, for the softmax
+        # The clamp only undoes a rounding of the mean positive above the maximum.
+        rows = (row_max - positive).clamp_(min=0.0) + others.log1p()
     if grads is None:
         return rows
-    ones = torch.ones_like(others)
-    block_weights = ones if weights is None else weights
-    softmax_weight = block_weights / (1.0 + others)
-    logit_grad = exponentials.scatter_(1, argmax[:, None], ones[:, None]).mul_(softmax_weight[:, None])
-    if positive_mask is None:
-        columns = targets.columns[start:stop, None]  # type: ignore[index]
-        # w·(p − 1) at the positive; when it is the row maximum, p − 1 = −S/(1+S) without cancellation.
-        at_max = columns.squeeze(1) == argmax
-        positive_grad = torch.where(
-            at_max, -others * softmax_weight, logit_grad.gather(1, columns).squeeze(1) - block_weights
-        )
-        logit_grad.scatter_(1, columns, positive_grad[:, None])
+    block_weights = torch.ones_like(rows) if weights is None else weights
+    softmax_weight = block_weights / row_sum
+    logit_grad = exponentials.mul_(softmax_weight[:, None])
+    if columns is not None:
+        # w·(p_pos − 1) = −w·S / Σ: no cancellation, whatever the positive's rank.
+        logit_grad.scatter_(1, columns, (-others * softmax_weight)[:, None])
     else:
-        logit_grad.sub_(positive_mask * (block_weights / positive_count)[:, None])
+        logit_grad.addcmul_(positive_mask, (block_weights / positive_count)[:, None], value=-1.0)
     _accumulate(logit_grad, block, keys, scale, start, stop, grads)
     return rows
 
 
-def _positive_mask(targets: Targets, start: int, stop: int) -> Tensor | None:
-    """``(stop − start, N)``: True where a column shares the row's label (its excluded column left out)."""
+def _positive_mask(targets: Targets, start: int, stop: int, like: Tensor) -> Tensor:
+    """``(stop − start, N)`` in ``like``'s dtype: 1 where a column shares the row's label, else 0.
+
+    The row's excluded column is 0 too. Labels come as floats (class indices): comparing floats into
+    a float output is several times faster than comparing integers into a bool mask on CPU.
+    """
     if targets.query_labels is None or targets.key_labels is None:
-        return None
-    mask = targets.query_labels[start:stop, None] == targets.key_labels[None, :]
+        raise ValueError("Targets needs columns, or query_labels with key_labels")
+    mask = like.new_empty(stop - start, targets.key_labels.shape[0])
+    torch.eq(targets.query_labels[start:stop, None], targets.key_labels[None, :], out=mask)
     if targets.excluded is not None:
-        mask.scatter_(1, targets.excluded[start:stop, None], False)
+        mask.scatter_(1, targets.excluded[start:stop, None], 0.0)
     return mask
 
 

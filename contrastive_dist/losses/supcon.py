@@ -113,16 +113,17 @@ def supcon(
     views = 1 if features.ndim == 2 else features.shape[1]
     dim = features.shape[-1]
     # One row per embedding, sample-major: the embedding (sample s, view v) is row s·V + v.
-    key_labels = all_labels.repeat_interleave(views)
-    _, key_class = torch.unique(key_labels, return_inverse=True)
+    _, key_class = torch.unique(all_labels.repeat_interleave(views), return_inverse=True)
     has_positives = torch.bincount(key_class)[key_class] > 1
     first_local_key = gathered.offset * views
     local_count = features.shape[0] * views
     anchor_rows = torch.nonzero(has_positives[first_local_key : first_local_key + local_count]).flatten()
     anchor_keys = anchor_rows + first_local_key
-    targets = Targets(query_labels=key_labels[anchor_keys], key_labels=key_labels, excluded=anchor_keys)
     with full_precision(features.device):
         keys = upcast(all_features.reshape(-1, dim))
+        # Class indices as floats for the kernel's masks, exact in the core's dtype (2**24 classes in float32).
+        class_index = key_class.to(keys.dtype if key_class.numel() < 2**24 else torch.float64)
+        targets = Targets(query_labels=class_index[anchor_keys], key_labels=class_index, excluded=anchor_keys)
         queries = upcast(features.reshape(-1, dim))[anchor_rows]
         if reduction == "none":
             rows = cross_entropy(queries, keys, scale, targets, chunk_size=chunk_size, reduction="none")
