@@ -9,14 +9,18 @@ a time (all rows in one block when ``chunk_size`` is None), each block against *
 every row is exact and at most ``chunk_size × N`` logits exist at once.
 
 **Precision.** Each row's positive is taken out inside its own row, relative to the row maximum
-``m_i`` (whose own term is left out of the sum ``S_i``)::
+``m_i``, and one term of size 1 stays out of the sum so that ``log1p`` sees only the rest::
 
-    ℓ_i = (m_i − Σ_j t_ij · l_ij) + log1p(S_i),   S_i = Σ_{j ≠ argmax_i} exp(l_ij − m_i)
+    one positive column p:  ℓ_i = (m_i − l_ip) + log1p(S_i + e_i − 1),
+                            S_i = Σ_{j ≠ p} exp(l_ij − m_i),  e_i = exp(l_ip − m_i)  (exactly 1 if p is the max)
+    label mask (SupCon):    ℓ_i = (m_i − mean_{p ∈ P} l_ip) + log1p(S'_i + c_i − 1),
+                            S'_i the sum without the c_i terms equal to the maximum
 
 Both parts are ≥ 0, so a row's loss is never negative, a row whose positive is its only candidate
 gives exactly 0, and a small loss keeps float32's relative precision (``log1p`` of a small sum,
 instead of a difference of two large, separately rounded sums). The gradient's positive entry,
-``p − 1``, is formed as ``−S/(1+S)`` when the positive is the row maximum, for the same reason.
+``p − 1 = −S / (S + e)``, is formed without cancellation for the same reason.
+
 The core runs in float32 (float64 stays float64) with autocast off: inputs are upcast with
 differentiable casts, so their gradients come back in their own dtype. Half-precision logits,
 sums and gradient accumulators would overflow (fp16) or drift by percents over many blocks (bf16).
