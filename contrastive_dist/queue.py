@@ -27,6 +27,8 @@ class DistributedMemoryQueue(nn.Module):
     The keys live in buffers (``memory``, newest first, and ``count``, how many are filled), so a
     DDP or Lightning checkpoint carries the queue, and ``state_dict`` / ``load_state_dict`` resume
     it exactly. Being the same on every rank, the buffers are unaffected by DDP's buffer broadcast.
+    The keys are stored on the buffers' device: move the queue with the model (``.to(device)``), so
+    that the gather runs where the backend expects it (GPU tensors under NCCL).
 
     Order: within one global batch, later rows are newer (rank 0's keys are pushed first, each
     rank's in row order), so :attr:`negatives` starts with the last row of the last global batch.

@@ -100,7 +100,9 @@ def reference_rows(kind: str, params: dict[str, Tensor], data: dict[str, Tensor]
     return supcon_rows(features, data["labels"], 1 / TEMPERATURE)[0]
 
 
-def reference_weighted_mean(kind: str, params: dict[str, Tensor], data: dict[str, Tensor], negatives: Tensor | None):
+def reference_weighted_mean(
+    kind: str, params: dict[str, Tensor], data: dict[str, Tensor], negatives: Tensor | None
+) -> Tensor:
     rows = reference_rows(kind, params, data, negatives)
     weights = data["weight"]
     if kind.startswith("supcon"):
