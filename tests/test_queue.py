@@ -133,3 +133,53 @@ def test_dim_mismatch_raises_on_every_rank(pool: Callable[[int], WorkerPool]) ->
         assert outcome["after"] == ("count", "3")
         assert outcome["queue dim"][0] == "ValueError" and "do not agree" in outcome["queue dim"][1], outcome
         assert outcome["keys shape"][0] == "ValueError" and "(on rank 1;" in outcome["keys shape"][1], outcome
+
+
+class _MoCoLike(torch.nn.Module):
+    """An encoder with its queue as a submodule, as a user would hold it (DDP broadcasts its buffers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Linear(4, DIM)
+        self.queue = DistributedMemoryQueue(7, DIM, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.normalize(self.encoder(x), dim=-1)
+
+
+TRAIN_STEPS = [(2, 1, 0), (0, 3, 2), (1, 1, 1), (4, 0, 1), (1, 0, 0)]
+
+
+def _training_data() -> tuple[_MoCoLike, list[tuple[torch.Tensor, torch.Tensor]]]:
+    torch.manual_seed(3)
+    model = _MoCoLike().double()
+    batches = [(torch.randn(sum(s), 4, dtype=torch.float64), torch.randn(sum(s), 4, dtype=torch.float64))
+               for s in TRAIN_STEPS]
+    return model, batches
+
+
+def _train(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    from contrastive_dist import info_nce
+
+    model, batches = _training_data()
+    steps = TRAIN_STEPS if world_size > 1 else [(sum(shards),) for shards in TRAIN_STEPS]
+    trained = torch.nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for shards, (x_query, x_key) in zip(steps, batches, strict=True):
+        start, stop = sum(shards[:rank]), sum(shards[: rank + 1])
+        queries = trained(x_query[start:stop])
+        with torch.no_grad():
+            keys = model(x_key[start:stop])  # a key encoder without gradient (MoCo uses a momentum copy)
+        optimizer.zero_grad()
+        info_nce(queries, keys, 5.0, symmetric=False, negatives=model.queue.negatives, chunk_size=2).backward()
+        optimizer.step()
+        model.queue.enqueue(keys)
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def test_ddp_training_with_the_queue_matches_one_process(pool: Callable[[int], WorkerPool]) -> None:
+    expected = _train(0, 1)
+    assert len(expected["queue.memory"]) == 7 and int(expected["queue.count"]) == 7
+    for rank, state in enumerate(pool(3).run(_train, timeout=60)):
+        for name, value in expected.items():
+            torch.testing.assert_close(state[name], value, rtol=1e-10, atol=1e-10, msg=f"rank {rank} {name}")
