@@ -108,15 +108,15 @@ def siglip(
         images, texts = upcast(image_features), upcast(gathered.tensors[0])
         if chunk_size is None or reduction == "none":
             block = functools.partial(_pair_rows, texts=texts, scale=scale, bias=bias, offset=gathered.offset)
-            if chunk_size is None:
+            if chunk_size is None or images.shape[0] == 0:
                 rows = block(images, start=0)
             else:
                 # Per-row results need per-row upstream gradients: each block is recomputed in
                 # backward (checkpointed), so memory stays at one block's logits.
-                rows = torch.cat([
-                    checkpoint(block, images[start : start + chunk_size], start=start, use_reentrant=False)
-                    for start in range(0, images.shape[0], chunk_size)
-                ]) if images.shape[0] else block(images, start=0)
+                blocks = range(0, images.shape[0], chunk_size)
+                rows = torch.cat(
+                    [checkpoint(block, images[i : i + chunk_size], start=i, use_reentrant=False) for i in blocks]
+                )
             if reduction == "none":
                 return rows
             return (rows.sum() if weights is None else rows @ weights) * factor
