@@ -99,6 +99,7 @@ def block_rows(
         others = exponentials.sum(dim=1) + (at_max.sum(dim=1) - 1.0)
         row_sum = others + 1.0
         exponentials.add_(at_max)  # ... and back in, for the softmax
+        del at_max  # one b × N temporary fewer at the gradient products
         # The clamp only undoes a rounding of the mean positive above the maximum.
         rows = (row_max - positive).clamp_(min=0.0) + others.log1p()
     if grads is None:
