@@ -140,10 +140,11 @@ def negatives_for(params: dict[str, Tensor], x_negative: Tensor) -> Tensor:
 
 
 def package_value(kind: str, mode: str, params: dict[str, Tensor], data: dict[str, Tensor], negatives: Any,
-                  chunk_size: int | None) -> Tensor:
+                  chunk_size: int | None, sizes: tuple[int, ...] | None = None) -> Tensor:
     images, texts = encode(params, data)
     scale = params["log_scale"].exp()
-    options: dict[str, Any] = {"chunk_size": chunk_size, "reduction": "none" if mode == "none" else "mean"}
+    reduction = "none" if mode == "none" else "mean"
+    options: dict[str, Any] = {"chunk_size": chunk_size, "reduction": reduction, "sizes": sizes}
     if mode == "weighted":
         options["weight"] = data["weight"]
     if kind.startswith("clip"):
@@ -187,7 +188,9 @@ def run_cases(rank: int, world_size: int, all_cases: list[Case]) -> list[tuple[T
             negatives = negatives_for(params, _slice(data["x_negative"], negative_shards, rank))
         elif negatives_kind == "shared":
             negatives = SharedNegatives(data["shared"])
-        value = package_value(kind, mode, params, local, negatives, chunk_size)
+        # Every other case passes the sizes (caller-given sizes take another path through the gather).
+        sizes = shards if index % 2 else None
+        value = package_value(kind, mode, params, local, negatives, chunk_size, sizes)
         objective = value if mode == "weighted" else (value * _upstream(local["upstream"], value)).sum()
         _, grads = value_and_grads(objective, params)
         results.append((value.detach(), grads))
