@@ -145,10 +145,13 @@ def _all_blocks(
     if grads is not None and grads.query is None and grads.key is None and grads.scale is None:
         grads = None  # nothing needs a gradient (inference): the losses alone, one product per block
     rows = queries.new_empty(queries.shape[0])
+    # Label targets need two more chunk × N buffers per block: allocated once, reused by every block.
+    labelled = targets.columns is None and queries.shape[0] > 0
+    scratch = queries.new_empty(2, min(chunk, queries.shape[0]), keys.shape[0]) if labelled else None
     for start in range(0, queries.shape[0], chunk):
         stop = min(start + chunk, queries.shape[0])
         block_weights = None if weights is None else weights[start:stop]
-        rows[start:stop] = block_rows(queries, keys, scale, targets, start, stop, block_weights, grads)
+        rows[start:stop] = block_rows(queries, keys, scale, targets, start, stop, block_weights, grads, scratch)
     return rows
 
 

@@ -57,7 +57,7 @@ def supcon(
 
     Features are used as given: L2-normalise them in the model, as in the paper. Labels are
     gathered with the features (no gradient). The positives' mean logit is taken from each
-    block's logits under a same-label mask (``chunk × N·V``, like the logits), so it stays exact
+    block's logits under a same-label mask (``chunk × N·V``, beside the logits), so it stays exact
     for large un-normalised features, and each ``ℓ_a`` is ≥ 0.
 
     **Weights and reduction.** ``weight`` holds one weight per sample, shared by its views: the
@@ -71,7 +71,7 @@ def supcon(
         logit_scale: multiplies the similarities, already exponentiated (e.g. a learnable
             ``model.logit_scale.exp()``); receives gradients. Default ``1 / temperature``.
         temperature: divides the similarities when ``logit_scale`` is ``None``; > 0.
-        chunk_size: anchors per block (at most ``chunk_size × N·V`` logits at once); same result.
+        chunk_size: anchors per block (the logits and two masks of ``chunk_size × N·V`` at once); same result.
         group: the process group (default: the world).
         sizes: every rank's batch size ``n_r``, if known (skips the size exchange).
         weight: one weight ≥ 0 per local sample (no gradient); see above.
