@@ -18,6 +18,7 @@ from contrastive_dist.losses._checks import (
 )
 from contrastive_dist.losses._chunked import contract_factor, local_cross_entropy_sum
 from contrastive_dist.losses._module import TemperatureLoss
+from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_info_nce
 
 __all__ = ["DistributedInfoNCE", "info_nce"]
 
@@ -32,6 +33,7 @@ def info_nce(
     chunk_size: int | None = None,
     group: ProcessGroup | None = None,
     sizes: Sequence[int] | None = None,
+    communication: Communication = "gather",
 ) -> Tensor:
     """CLIP loss of this rank's pairs against every rank's pairs; exact under data parallelism.
 
@@ -56,6 +58,10 @@ def info_nce(
             at most ``chunk_size × N`` logits exist at once; same value and gradients.
         group: the process group (default: the world).
         sizes: every rank's batch size, if known (skips the size exchange).
+        communication: ``"gather"`` gathers every rank's features onto every rank (memory
+            ``O(N·D + chunk·N)``); ``"ring"`` keeps the images here and passes text blocks round
+            the ring, each logit block serving both directions (memory ``O(n_r·D + chunk·max_r n_r)``,
+            independent of the number of ranks); same value and gradients.
 
     Returns:
         A scalar tensor: this rank's share of the global loss (0 for an empty global batch),
@@ -84,6 +90,11 @@ def info_nce(
         chunk_size = check_chunk_size(chunk_size)
         if not isinstance(symmetric, bool):
             raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
+        communication = check_communication(communication)
+    if communication == "ring":
+        return ring_info_nce(
+            image_features, text_features, scale, symmetric=symmetric, chunk_size=chunk_size, group=group, sizes=sizes
+        )
     world_size = get_world_size(group)
     if not symmetric:
         gathered = all_gather_many((text_features,), group=group, sizes=sizes)
@@ -105,6 +116,8 @@ class DistributedInfoNCE(TemperatureLoss):
         symmetric: average image→text and text→image, or image→text only.
         chunk_size: rows per block (bounded memory, same result); ``None``: all at once.
         group: the process group (default: the world).
+        communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
+            ranks); see :func:`info_nce`.
 
     Shape:
         image_features, text_features: ``(n_r, D)``; logit_scale: ``()``; output: ``()``.
@@ -128,8 +141,9 @@ class DistributedInfoNCE(TemperatureLoss):
         symmetric: bool = True,
         chunk_size: int | None = None,
         group: ProcessGroup | None = None,
+        communication: Communication = "gather",
     ) -> None:
-        super().__init__(temperature=temperature, chunk_size=chunk_size, group=group)
+        super().__init__(temperature=temperature, chunk_size=chunk_size, group=group, communication=communication)
         if not isinstance(symmetric, bool):
             raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
         self.symmetric = symmetric
@@ -152,6 +166,7 @@ class DistributedInfoNCE(TemperatureLoss):
             chunk_size=self.chunk_size,
             group=self.group,
             sizes=sizes,
+            communication=self.communication,
         )
 
     def extra_repr(self) -> str:

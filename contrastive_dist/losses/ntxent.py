@@ -20,6 +20,7 @@ from contrastive_dist.losses._checks import (
 )
 from contrastive_dist.losses._chunked import contract_factor, full_precision, local_cross_entropy_sum, upcast
 from contrastive_dist.losses._module import TemperatureLoss
+from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_nt_xent
 
 __all__ = ["NTXentLoss", "nt_xent"]
 
@@ -33,6 +34,7 @@ def nt_xent(
     chunk_size: int | None = None,
     group: ProcessGroup | None = None,
     sizes: Sequence[int] | None = None,
+    communication: Communication = "gather",
 ) -> Tensor:
     """NT-Xent of this rank's views against both views of the whole global batch.
 
@@ -55,6 +57,9 @@ def nt_xent(
         chunk_size: anchors per block (at most ``chunk_size × 2N`` logits at once); same result.
         group: the process group (default: the world).
         sizes: every rank's batch size, if known (skips the size exchange).
+        communication: ``"gather"`` gathers both views of every rank onto every rank (memory
+            ``O(N·D + chunk·N)``); ``"ring"`` passes blocks of both views round the ring instead
+            (memory ``O(n_r·D + chunk·max_r n_r)``, independent of the number of ranks); same result.
 
     Returns:
         A scalar tensor: this rank's share of the global loss (0 for an empty global batch),
@@ -78,6 +83,9 @@ def nt_xent(
         z1, z2 = check_pair("z1", z1, "z2", z2)
         scale = resolve_scale(logit_scale, check_temperature(temperature), z1)
         chunk_size = check_chunk_size(chunk_size)
+        communication = check_communication(communication)
+    if communication == "ring":
+        return ring_nt_xent(z1, z2, scale, chunk_size=chunk_size, group=group, sizes=sizes)
     gathered = all_gather_many((z1, z2), group=group, sizes=sizes)
     total = sum(gathered.sizes)
     with full_precision(z1.device):
@@ -106,6 +114,8 @@ class NTXentLoss(TemperatureLoss):
         temperature: divides the cosine similarities when ``forward`` gets no ``logit_scale``; > 0.
         chunk_size: anchors per block (bounded memory, same result); ``None``: all at once.
         group: the process group (default: the world).
+        communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
+            ranks); see :func:`nt_xent`.
 
     Shape:
         z1, z2: ``(n_r, D)``; logit_scale: ``()``; output: ``()``.
@@ -120,9 +130,14 @@ class NTXentLoss(TemperatureLoss):
     """
 
     def __init__(
-        self, *, temperature: float = 0.5, chunk_size: int | None = None, group: ProcessGroup | None = None
+        self,
+        *,
+        temperature: float = 0.5,
+        chunk_size: int | None = None,
+        group: ProcessGroup | None = None,
+        communication: Communication = "gather",
     ) -> None:
-        super().__init__(temperature=temperature, chunk_size=chunk_size, group=group)
+        super().__init__(temperature=temperature, chunk_size=chunk_size, group=group, communication=communication)
 
     def forward(
         self,
@@ -141,4 +156,5 @@ class NTXentLoss(TemperatureLoss):
             chunk_size=self.chunk_size,
             group=self.group,
             sizes=sizes,
+            communication=self.communication,
         )

@@ -20,6 +20,7 @@ from contrastive_dist.losses._checks import (
     validated_on_all_ranks,
 )
 from contrastive_dist.losses._chunked import contract_factor, first_order_only, full_precision, upcast
+from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_siglip
 
 __all__ = ["SigLIPLoss", "siglip"]
 
@@ -33,6 +34,7 @@ def siglip(
     chunk_size: int | None = None,
     group: ProcessGroup | None = None,
     sizes: Sequence[int] | None = None,
+    communication: Communication = "gather",
 ) -> Tensor:
     """Sigmoid loss of this rank's images against every rank's texts; exact under data parallelism.
 
@@ -56,6 +58,10 @@ def siglip(
         chunk_size: image rows per block; same value and gradients.
         group: the process group (default: the world).
         sizes: every rank's batch size, if known (skips the size exchange).
+        communication: ``"gather"`` gathers every rank's texts onto every rank (memory
+            ``O(N·D + chunk·N)``); ``"ring"`` keeps them local and passes text blocks round the
+            ring instead (memory ``O(n_r·D + chunk·max_r n_r)``, independent of the number of
+            ranks); same value and gradients.
 
     Returns:
         A scalar tensor: this rank's share of the global loss (0 for an empty global batch),
@@ -80,6 +86,9 @@ def siglip(
         scale = positive_scalar("logit_scale", logit_scale, image_features)
         bias = scalar_tensor("logit_bias", logit_bias, image_features)
         chunk_size = check_chunk_size(chunk_size)
+        communication = check_communication(communication)
+    if communication == "ring":
+        return ring_siglip(image_features, text_features, scale, bias, chunk_size=chunk_size, group=group, sizes=sizes)
     gathered = all_gather(text_features, group=group, sizes=sizes)
     factor = contract_factor(sum(gathered.sizes), get_world_size(group))
     with full_precision(image_features.device):
@@ -158,6 +167,8 @@ class SigLIPLoss(nn.Module):
     Args:
         chunk_size: image rows per block (bounded memory, same result); ``None``: all at once.
         group: the process group (default: the world).
+        communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
+            ranks); see :func:`siglip`.
 
     Shape:
         image_features, text_features: ``(n_r, D)``; logit_scale, logit_bias: ``()``; output: ``()``.
@@ -171,10 +182,17 @@ class SigLIPLoss(nn.Module):
 
     """
 
-    def __init__(self, *, chunk_size: int | None = None, group: ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        chunk_size: int | None = None,
+        group: ProcessGroup | None = None,
+        communication: Communication = "gather",
+    ) -> None:
         super().__init__()
         self.chunk_size = check_chunk_size(chunk_size)
         self.group = group
+        self.communication = check_communication(communication)
 
     def forward(
         self,
@@ -194,8 +212,9 @@ class SigLIPLoss(nn.Module):
             chunk_size=self.chunk_size,
             group=self.group,
             sizes=sizes,
+            communication=self.communication,
         )
 
     def extra_repr(self) -> str:
         """Show the options in ``repr``."""
-        return f"chunk_size={self.chunk_size}"
+        return f"chunk_size={self.chunk_size}, communication={self.communication!r}"

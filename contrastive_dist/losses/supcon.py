@@ -19,6 +19,7 @@ from contrastive_dist.losses._checks import (
 )
 from contrastive_dist.losses._chunked import full_precision, local_cross_entropy_sum, upcast
 from contrastive_dist.losses._module import TemperatureLoss
+from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_supcon
 
 __all__ = ["SupConLoss", "supcon"]
 
@@ -32,6 +33,7 @@ def supcon(
     chunk_size: int | None = None,
     group: ProcessGroup | None = None,
     sizes: Sequence[int] | None = None,
+    communication: Communication = "gather",
 ) -> Tensor:
     """SupCon (``L_out``, all views as anchors) over the global batch; exact under data parallelism.
 
@@ -60,6 +62,10 @@ def supcon(
         chunk_size: anchors per block (at most ``chunk_size × N·V`` logits at once); same result.
         group: the process group (default: the world).
         sizes: every rank's batch size ``n_r``, if known (skips the size exchange).
+        communication: ``"gather"`` gathers every rank's embeddings and labels onto every rank
+            (memory ``O(N·V·D + chunk·N·V)``); ``"ring"`` passes blocks of them round the ring
+            instead (memory ``O(n_r·V·D + chunk·max_r n_r·V)``, independent of the number of ranks;
+            the anchor count takes one scalar all-reduce); same result.
 
     Returns:
         A scalar tensor: this rank's share of the global loss, float32 (float64 for float64
@@ -85,6 +91,9 @@ def supcon(
         _check_labels(labels, features.shape[0])
         scale = resolve_scale(logit_scale, check_temperature(temperature), features)
         chunk_size = check_chunk_size(chunk_size)
+        communication = check_communication(communication)
+    if communication == "ring":
+        return ring_supcon(features, labels, scale, chunk_size=chunk_size, group=group, sizes=sizes)
     gathered = all_gather_many((features, labels), group=group, sizes=sizes)
     all_features, all_labels = gathered.tensors
     views = 1 if features.ndim == 2 else features.shape[1]
@@ -130,6 +139,8 @@ class SupConLoss(TemperatureLoss):
         temperature: divides the similarities when ``forward`` gets no ``logit_scale``; > 0.
         chunk_size: anchors per block (bounded memory, same result); ``None``: all at once.
         group: the process group (default: the world).
+        communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
+            ranks); see :func:`supcon`.
 
     Shape:
         features: ``(n_r, D)`` or ``(n_r, V, D)``; labels: ``(n_r,)``; logit_scale: ``()``; output: ``()``.
@@ -145,9 +156,14 @@ class SupConLoss(TemperatureLoss):
     """
 
     def __init__(
-        self, *, temperature: float = 0.1, chunk_size: int | None = None, group: ProcessGroup | None = None
+        self,
+        *,
+        temperature: float = 0.1,
+        chunk_size: int | None = None,
+        group: ProcessGroup | None = None,
+        communication: Communication = "gather",
     ) -> None:
-        super().__init__(temperature=temperature, chunk_size=chunk_size, group=group)
+        super().__init__(temperature=temperature, chunk_size=chunk_size, group=group, communication=communication)
 
     def forward(
         self,
@@ -166,4 +182,5 @@ class SupConLoss(TemperatureLoss):
             chunk_size=self.chunk_size,
             group=self.group,
             sizes=sizes,
+            communication=self.communication,
         )

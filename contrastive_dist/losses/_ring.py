@@ -1,0 +1,149 @@
+"""Point-to-point transport of the ring mode: blocks travel round the ring, one hop per step.
+
+Rank ``r`` sends to ``r − 1`` and receives from ``r + 1`` (ranks of ``group``), so at step ``k``
+it holds the block of rank ``(r + k) mod W``; after ``W − 1`` hops it has seen every block.
+
+:func:`circulate` runs one pass and, optionally, an **accumulator** per block that collects
+every rank's contribution and comes home to the block's owner. The owner keeps its own
+contribution local; the accumulator starts one rank down the ring and travels one hop behind
+the block, so it needs ``W − 1`` hops like the block (the block's last hop home is skipped).
+
+What makes it safe and fast (each point a hang or a stall seen otherwise):
+
+* every send and receive of a step is posted in one ``batch_isend_irecv`` *before* computing on
+  the current block, so the next block is on its way while this one is used (overlap), and
+  NCCL, whose sends block until matched, sees all of a step's operations as one group;
+* each message gets a fresh buffer and every operation is waited on before its buffer is
+  reused or returned;
+* sizes are known to every rank up front, so an empty block (a rank with no rows) is skipped
+  on both ends of a link identically; an empty rank still forwards what passes through it;
+* messages between two ranks are posted in the same order on both ends (NCCL matches by order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+__all__ = ["Ring", "circulate"]
+
+Block = tuple[Tensor, ...]
+
+
+class _Pending:
+    """The works of one ``batch_isend_irecv``; :meth:`wait` before touching their buffers."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+
+
+@dataclass(frozen=True)
+class Ring:
+    """One rank's place in the ring of ``group``: who it sends to and receives from.
+
+    Attributes:
+        rank: this process's rank in ``group``.
+        world_size: the number of ranks ``W``.
+        sizes: every rank's number of rows ``n_r`` (known to all: empty blocks are skipped on both ends).
+        group: the process group (``None``: the world).
+    """
+
+    rank: int
+    world_size: int
+    sizes: tuple[int, ...]
+    group: ProcessGroup | None = None
+
+    def owner(self, step: int) -> int:
+        """The rank whose block this rank holds at ``step``."""
+        return (self.rank + step) % self.world_size
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def shift(self, outgoing: Sequence[Tensor], incoming: Sequence[Tensor]) -> _Pending:
+        """Post sends of ``outgoing`` to the previous rank and receives into ``incoming`` from the next.
+
+        Empty tensors are skipped (the other end, knowing the sizes, skips them too). Tags number
+        the messages of one call so that gloo matches them like NCCL does, by order.
+        """
+        previous, following = self._global((self.rank - 1) % self.world_size), self._global(
+            (self.rank + 1) % self.world_size
+        )
+        ops = [
+            dist.P2POp(dist.isend, tensor, previous, self.group, tag)
+            for tag, tensor in enumerate(outgoing)
+            if tensor.numel()
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, tensor, following, self.group, tag)
+            for tag, tensor in enumerate(incoming)
+            if tensor.numel()
+        ]
+        return _Pending(dist.batch_isend_irecv(ops) if ops else [])
+
+
+def circulate(
+    ring: Ring,
+    own_block: Block,
+    new_block: Callable[[int], Block],
+    visit: Callable[[int, Block], Tensor | None],
+    *,
+    new_accumulator: Callable[[int], Tensor] | None = None,
+    combine: Callable[[Tensor, Tensor], Tensor] | None = None,
+) -> Tensor | None:
+    """Pass every rank's block round the ring and call ``visit(owner, block)`` on each, own block first.
+
+    Args:
+        ring: this rank's place in the ring.
+        own_block: this rank's travelling tensors (contiguous).
+        new_block: ``new_block(owner)`` allocates receive buffers shaped like ``owner``'s block.
+        visit: computes on one block; returns this rank's contribution to the block's
+            accumulator (``None`` without accumulator).
+        new_accumulator: ``new_accumulator(owner)`` allocates a receive buffer for ``owner``'s
+            accumulator; ``None``: no accumulator travels.
+        combine: merges two contributions (a sum, a log-add-exp); commutative.
+
+    Returns:
+        The accumulator of this rank's own block, with every rank's contribution combined
+        (``None`` without accumulator).
+    """
+    accumulating = new_accumulator is not None and combine is not None
+    block, own_part = own_block, None
+    incoming: Tensor | None = None
+    accumulator_transfer: _Pending | None = None
+    for step in range(ring.world_size):
+        last = step == ring.world_size - 1
+        if not last:
+            # The next block is on its way while this one is used.
+            next_block = new_block(ring.owner(step + 1))
+            block_transfer = ring.shift(block, next_block)
+        part = visit(ring.owner(step), block)
+        if accumulating and part is not None:
+            if step == 0:
+                own_part = part  # the owner's own contribution never travels
+            else:
+                if accumulator_transfer is not None:
+                    accumulator_transfer.wait()
+                if step >= 2 and incoming is not None:
+                    part = combine(incoming, part)  # type: ignore[misc]
+                # The previous rank's block at this step is the one this rank holds next.
+                incoming = new_accumulator(ring.owner(step + 1))  # type: ignore[misc]
+                accumulator_transfer = ring.shift((part.contiguous(),), (incoming,))
+        if not last:
+            block_transfer.wait()
+            block = next_block
+    if not accumulating:
+        return None
+    if accumulator_transfer is None:  # one rank: nothing travelled
+        return own_part
+    accumulator_transfer.wait()
+    return combine(incoming, own_part)  # type: ignore[misc,arg-type]
