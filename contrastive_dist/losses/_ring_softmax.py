@@ -173,10 +173,15 @@ class _RingLogSumExp(torch.autograd.Function):
                 chunk_queries = queries[start:stop]
                 logits = _logits(chunk_queries, block_keys, scale, start, own_diagonal)
                 # d row_lse / d X = softmax over the row; d col_lse / d X = softmax over the column.
-                logit_grad = (logits - row_lse[start:stop, None]).exp_().mul_(row_grad[start:stop, None])
+                # The row term reuses the logits' memory: two c × n_b buffers at most.
+                column_term = None
                 if columns:
                     block_col_lse, block_col_grad = block[0][:, width], block[0][:, width + 1]
-                    logit_grad += (logits - block_col_lse[None, :]).exp_().mul_(block_col_grad[None, :])
+                    column_term = (logits - block_col_lse[None, :]).exp_().mul_(block_col_grad[None, :])
+                logit_grad = logits.sub_(row_lse[start:stop, None]).exp_().mul_(row_grad[start:stop, None])
+                if column_term is not None:
+                    logit_grad += column_term
+                    del column_term
                 if labels is not None:
                     mask = _same_label(labels[start:stop], block[1], start, own_diagonal)
                     logit_grad += mask * positive_grad[start:stop, None]
