@@ -117,6 +117,9 @@ def test_ring_equals_single_process_reference_and_gather_mode(
     pool: Callable[[int], WorkerPool], world_size: int
 ) -> None:
     cases = _cases(world_size)
+    if world_size == 1:  # no process group: the same kernel with no transfer at all
+        _check(cases, [_run_cases(0, 1, cases)])
+        return
     _check(cases, pool(world_size).run(_run_cases, cases, timeout=120))
 
 
@@ -168,6 +171,11 @@ def _bad_input_on_rank_one(rank: int, world_size: int) -> dict[str, tuple[str, s
         "siglip dtype": lambda: siglip(good, good.double() if bad else good, 2.0, -1.0, **ring),  # type: ignore[arg-type]
         "supcon labels": lambda: supcon(good, labels[:3] if bad else labels, **ring),  # type: ignore[arg-type]
         "supcon disagree": lambda: supcon(good[:, :5] if bad else good, labels, **ring),  # type: ignore[arg-type]
+        # With sizes= too: ring mode still exchanges, so a rank that stops never leaves a neighbour waiting.
+        "nt_xent scale sizes": lambda: nt_xent(good, good, -1.0 if bad else 2.0, sizes=(4, 4, 4), **ring),  # type: ignore[arg-type]
+        "siglip promised sizes": lambda: siglip(
+            good[:3] if bad else good, good[:3] if bad else good, 2.0, -1.0, sizes=(4, 4, 4), **ring
+        ),  # type: ignore[arg-type]
     }
     outcome: dict[str, tuple[str, str] | float] = {}
     for name, call in calls.items():
@@ -193,6 +201,8 @@ def test_bad_input_on_one_rank_raises_on_every_rank(pool: Callable[[int], Worker
             assert kind == expected_kind, f"rank {rank} {name}: {kind} {message}"
             if name == "supcon disagree":  # no rank is wrong alone: the inputs disagree
                 assert "do not agree" in message, message
+            elif name == "siglip promised sizes":
+                assert "sizes=(4, 4, 4) was given, but the ranks hold (4, 3, 4) rows" in message, message
             else:
                 assert "(on rank 1;" in message, f"rank {rank} {name}: {message}"
             assert outcome[name] == per_rank[1][name], f"rank {rank} {name}: not the same error as rank 1"

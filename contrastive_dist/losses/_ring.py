@@ -75,8 +75,9 @@ class Ring:
         Empty tensors are skipped (the other end, knowing the sizes, skips them too). Tags number
         the messages of one call so that gloo matches them like NCCL does, by order.
         """
-        previous, following = self._global((self.rank - 1) % self.world_size), self._global(
-            (self.rank + 1) % self.world_size
+        previous, following = (
+            self._global((self.rank - 1) % self.world_size),
+            self._global((self.rank + 1) % self.world_size),
         )
         ops = [
             dist.P2POp(dist.isend, tensor, previous, self.group, tag)

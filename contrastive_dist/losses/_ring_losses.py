@@ -3,7 +3,8 @@
 Gather mode holds the whole global batch on every rank (``N·D`` features, ``N·D`` gradients).
 Ring mode keeps only this rank's rows and passes key blocks round the ring (:mod:`._ring`), so
 per-rank memory is ``O(n_r·D + chunk_size·max_r n_r)`` whatever the number of ranks. Sizes are
-exchanged once up front (or taken from ``sizes=``) so every rank knows every block's size.
+exchanged once up front (given ``sizes=`` are checked against them) so every rank knows every
+block's size, and an invalid input on one rank raises the same error on every rank.
 
 Each body ends holding ``ℓ_i``, the loss of each of this rank's rows (both directions for the
 symmetric CLIP loss), computed as ``logsumexp − positive`` row by row, and only then reduces
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist._agreement import agree_on_sizes, describe
+from contrastive_dist._agreement import Problem, agree_on_sizes
 from contrastive_dist._dist import get_rank, get_world_size
 from contrastive_dist.losses._chunked import contract_factor, full_precision, upcast
 from contrastive_dist.losses._ring import Ring
@@ -33,6 +34,7 @@ __all__ = [
     "Communication",
     "check_communication",
     "open_ring",
+    "ring_checks",
     "ring_info_nce",
     "ring_nt_xent",
     "ring_siglip",
@@ -51,26 +53,40 @@ def check_communication(communication: object) -> Communication:
     return communication  # type: ignore[return-value]
 
 
+def ring_checks(communication: object, sizes: Sequence[int] | None) -> Sequence[int] | None:
+    """The ``sizes`` a loss's input checks should assume: ``None`` in ring mode, which always exchanges.
+
+    Ring mode runs the size exchange even when ``sizes`` is given, so that an invalid input or a
+    wrong ``sizes`` found on one rank raises on every rank (a rank that stopped would leave its
+    ring neighbours waiting for a block). One three-integer all-gather per call.
+    """
+    return None if communication == "ring" else sizes
+
+
 def open_ring(tensors: Sequence[Tensor], group: ProcessGroup | None, sizes: Sequence[int] | None) -> Ring:
-    """Return this rank's place in the ring, with every rank's row count (exchanged once unless given).
+    """Return this rank's place in the ring, with every rank's row count, exchanged once.
 
     The exchange is the gather's agreement: dtype, trailing shape and gradient tracking must
     match on every rank, or every rank raises the same ``ValueError``. Given ``sizes`` are
-    checked against this rank's rows (validate inputs before promising sizes: a mismatch can
-    only be raised here, and the other ranks then wait for their transfer's timeout).
+    checked against the exchanged counts (on every rank, when all ranks were given the same).
     """
     world_size, rank = get_world_size(group), get_rank(group)
-    local = tensors[0].shape[0]
-    if sizes is None:
-        known = (local,) if world_size == 1 else agree_on_sizes(tensors, 0, None, group, world_size)
-        return Ring(rank, world_size, known, group)
-    if isinstance(sizes, Tensor) or not all(isinstance(size, int) and size >= 0 for size in sizes):
-        raise TypeError(f"sizes must be a sequence of non-negative Python ints, got {sizes!r}")
-    if len(sizes) != world_size or sizes[rank] != local:
-        raise ValueError(
-            f"sizes={tuple(sizes)} does not fit this rank (rank {rank} of {world_size}) with inputs {describe(tensors)}"
-        )
-    return Ring(rank, world_size, tuple(sizes), group)
+    problem: Problem | None = None
+    if sizes is not None and (
+        isinstance(sizes, Tensor) or not all(isinstance(size, int) and size >= 0 for size in sizes)
+    ):
+        problem = TypeError, f"sizes must be a sequence of non-negative Python ints, got {sizes!r}"
+    elif sizes is not None and len(sizes) != world_size:
+        problem = ValueError, f"sizes must have one entry per rank ({world_size}), got {len(sizes)}: {tuple(sizes)}"
+    if world_size == 1:
+        if problem is not None:
+            raise problem[0](problem[1])
+        known: tuple[int, ...] = (tensors[0].shape[0],)
+    else:
+        known = agree_on_sizes(tensors, 0, problem, group, world_size)
+    if sizes is not None and tuple(sizes) != known:
+        raise ValueError(f"sizes={tuple(sizes)} was given, but the ranks hold {known} rows (raised on every rank)")
+    return Ring(rank, world_size, known, group)
 
 
 def share(per_row: Tensor, count: Tensor | int, world_size: int) -> Tensor:
@@ -82,8 +98,14 @@ def share(per_row: Tensor, count: Tensor | int, world_size: int) -> Tensor:
 
 
 def ring_info_nce(
-    images: Tensor, texts: Tensor, scale: Tensor, *, symmetric: bool, chunk_size: int | None,
-    group: ProcessGroup | None, sizes: Sequence[int] | None,
+    images: Tensor,
+    texts: Tensor,
+    scale: Tensor,
+    *,
+    symmetric: bool,
+    chunk_size: int | None,
+    group: ProcessGroup | None,
+    sizes: Sequence[int] | None,
 ) -> Tensor:
     """:func:`~contrastive_dist.info_nce` in ring mode: images stay, text blocks travel."""
     ring = open_ring((images, texts), group, sizes)
@@ -100,7 +122,12 @@ def ring_info_nce(
 
 
 def ring_nt_xent(
-    z1: Tensor, z2: Tensor, scale: Tensor, *, chunk_size: int | None, group: ProcessGroup | None,
+    z1: Tensor,
+    z2: Tensor,
+    scale: Tensor,
+    *,
+    chunk_size: int | None,
+    group: ProcessGroup | None,
     sizes: Sequence[int] | None,
 ) -> Tensor:
     """:func:`~contrastive_dist.nt_xent` in ring mode: both views of a block travel together."""
@@ -117,8 +144,14 @@ def ring_nt_xent(
 
 
 def ring_siglip(
-    images: Tensor, texts: Tensor, scale: Tensor, bias: Tensor, *, chunk_size: int | None,
-    group: ProcessGroup | None, sizes: Sequence[int] | None,
+    images: Tensor,
+    texts: Tensor,
+    scale: Tensor,
+    bias: Tensor,
+    *,
+    chunk_size: int | None,
+    group: ProcessGroup | None,
+    sizes: Sequence[int] | None,
 ) -> Tensor:
     """:func:`~contrastive_dist.siglip` in ring mode: images stay, text blocks travel."""
     ring = open_ring((images, texts), group, sizes)
@@ -131,7 +164,12 @@ def ring_siglip(
 
 
 def ring_supcon(
-    features: Tensor, labels: Tensor, scale: Tensor, *, chunk_size: int | None, group: ProcessGroup | None,
+    features: Tensor,
+    labels: Tensor,
+    scale: Tensor,
+    *,
+    chunk_size: int | None,
+    group: ProcessGroup | None,
     sizes: Sequence[int] | None,
 ) -> Tensor:
     """:func:`~contrastive_dist.supcon` in ring mode: embeddings travel with their labels.

@@ -18,7 +18,7 @@ from contrastive_dist.losses._checks import (
 )
 from contrastive_dist.losses._chunked import contract_factor, local_cross_entropy_sum
 from contrastive_dist.losses._module import TemperatureLoss
-from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_info_nce
+from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_checks, ring_info_nce
 
 __all__ = ["DistributedInfoNCE", "info_nce"]
 
@@ -84,7 +84,7 @@ def info_nce(
         (torch.Size([]), True)
 
     """
-    with validated_on_all_ranks((image_features, text_features), group=group, sizes=sizes):
+    with validated_on_all_ranks((image_features, text_features), group=group, sizes=ring_checks(communication, sizes)):
         image_features, text_features = check_pair("image_features", image_features, "text_features", text_features)
         scale = resolve_scale(logit_scale, check_temperature(temperature), image_features)
         chunk_size = check_chunk_size(chunk_size)

@@ -20,7 +20,7 @@ from contrastive_dist.losses._checks import (
 )
 from contrastive_dist.losses._chunked import contract_factor, full_precision, local_cross_entropy_sum, upcast
 from contrastive_dist.losses._module import TemperatureLoss
-from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_nt_xent
+from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_checks, ring_nt_xent
 
 __all__ = ["NTXentLoss", "nt_xent"]
 
@@ -79,7 +79,7 @@ def nt_xent(
         torch.Size([4, 16])
 
     """
-    with validated_on_all_ranks((z1, z2), group=group, sizes=sizes):
+    with validated_on_all_ranks((z1, z2), group=group, sizes=ring_checks(communication, sizes)):
         z1, z2 = check_pair("z1", z1, "z2", z2)
         scale = resolve_scale(logit_scale, check_temperature(temperature), z1)
         chunk_size = check_chunk_size(chunk_size)

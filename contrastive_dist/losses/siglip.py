@@ -20,7 +20,7 @@ from contrastive_dist.losses._checks import (
     validated_on_all_ranks,
 )
 from contrastive_dist.losses._chunked import contract_factor, first_order_only, full_precision, upcast
-from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_siglip
+from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_checks, ring_siglip
 
 __all__ = ["SigLIPLoss", "siglip"]
 
@@ -81,7 +81,7 @@ def siglip(
         torch.Size([])
 
     """
-    with validated_on_all_ranks((image_features, text_features), group=group, sizes=sizes):
+    with validated_on_all_ranks((image_features, text_features), group=group, sizes=ring_checks(communication, sizes)):
         image_features, text_features = check_pair("image_features", image_features, "text_features", text_features)
         scale = positive_scalar("logit_scale", logit_scale, image_features)
         bias = scalar_tensor("logit_bias", logit_bias, image_features)

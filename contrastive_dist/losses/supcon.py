@@ -19,7 +19,7 @@ from contrastive_dist.losses._checks import (
 )
 from contrastive_dist.losses._chunked import full_precision, local_cross_entropy_sum, upcast
 from contrastive_dist.losses._module import TemperatureLoss
-from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_supcon
+from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_checks, ring_supcon
 
 __all__ = ["SupConLoss", "supcon"]
 
@@ -86,7 +86,7 @@ def supcon(
         torch.Size([6, 2, 8])
 
     """
-    with validated_on_all_ranks((features, labels), group=group, sizes=sizes):
+    with validated_on_all_ranks((features, labels), group=group, sizes=ring_checks(communication, sizes)):
         features = check_features("features", features, ndims=(2, 3))
         _check_labels(labels, features.shape[0])
         scale = resolve_scale(logit_scale, check_temperature(temperature), features)
