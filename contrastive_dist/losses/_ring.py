@@ -37,13 +37,14 @@ Block = tuple[Tensor, ...]
 class _Pending:
     """The works of one ``batch_isend_irecv``; :meth:`wait` before touching their buffers."""
 
-    def __init__(self, works: list[dist.Work]) -> None:
+    def __init__(self, works: list[dist.Work], buffers: Sequence[Tensor]) -> None:
         self._works = works
+        self._buffers = buffers  # alive until waited on, whatever the caller drops
 
     def wait(self) -> None:
         for work in self._works:
             work.wait()
-        self._works = []
+        self._works, self._buffers = [], ()
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class Ring:
             for tag, tensor in enumerate(incoming)
             if tensor.numel()
         ]
-        return _Pending(dist.batch_isend_irecv(ops) if ops else [])
+        return _Pending(dist.batch_isend_irecv(ops) if ops else [], (*outgoing, *incoming))
 
 
 def circulate(
@@ -99,7 +100,7 @@ def circulate(
     visit: Callable[[int, Block], Tensor | None],
     *,
     new_accumulator: Callable[[int], Tensor] | None = None,
-    combine: Callable[[Tensor, Tensor], Tensor] | None = None,
+    combine: Callable[..., Tensor] | None = None,
 ) -> Tensor | None:
     """Pass every rank's block round the ring and call ``visit(owner, block)`` on each, own block first.
 
@@ -111,7 +112,8 @@ def circulate(
             accumulator (``None`` without accumulator).
         new_accumulator: ``new_accumulator(owner)`` allocates a receive buffer for ``owner``'s
             accumulator; ``None``: no accumulator travels.
-        combine: merges two contributions (a sum, a log-add-exp); commutative.
+        combine: merges two contributions, ``combine(a, b, out=a)`` (``torch.add``,
+            ``torch.logaddexp``); in place, so a step holds no third accumulator-sized buffer.
 
     Returns:
         The accumulator of this rank's own block, with every rank's contribution combined
@@ -135,10 +137,11 @@ def circulate(
                 if accumulator_transfer is not None:
                     accumulator_transfer.wait()
                 if step >= 2 and incoming is not None:
-                    part = combine(incoming, part)  # type: ignore[misc]
+                    part = combine(incoming, part, out=incoming)  # type: ignore[misc]
                 # The previous rank's block at this step is the one this rank holds next.
                 incoming = new_accumulator(ring.owner(step + 1))  # type: ignore[misc]
                 accumulator_transfer = ring.shift((part.contiguous(),), (incoming,))
+                del part  # only the transfer holds it now
         if not last:
             block_transfer.wait()
             block = next_block
@@ -147,4 +150,4 @@ def circulate(
     if accumulator_transfer is None:  # one rank: nothing travelled
         return own_part
     accumulator_transfer.wait()
-    return combine(incoming, own_part)  # type: ignore[misc,arg-type]
+    return combine(incoming, own_part, out=incoming)  # type: ignore[misc,arg-type]

@@ -155,17 +155,25 @@ class _RingLogSumExp(torch.autograd.Function):
         width = keys.shape[1]
         query_grad = torch.zeros_like(queries)
         scale_grad = queries.new_zeros(())
-        # Every float the other ranks need travels in one buffer: keys | column lse | column grad.
-        own = keys if not columns else torch.cat((keys, col_lse[:, None], col_grad[:, None]), dim=1)
-        own_block: Block = (own.contiguous(),) if labels is None else (own.contiguous(), labels.contiguous())
-        packed_width = own.shape[1]
+        # What the other ranks need of a block: its keys, [column lse, column grad] (symmetric),
+        # labels (SupCon); the keys travel as they are (no packed copy of an n × D block).
+        own_block: Block = (keys.contiguous(),)
+        if columns:
+            own_block += (torch.stack((col_lse, col_grad), dim=1),)
+        if labels is not None:
+            own_block += (labels.contiguous(),)
 
         def new_block(owner: int) -> Block:
-            block_floats = _key_block(ring, owner, rows_per_key_row, keys, packed_width)
-            return (block_floats,) if labels is None else (block_floats, labels.new_empty(block_floats.shape[0]))
+            block_keys = _key_block(ring, owner, rows_per_key_row, keys, width)
+            block: Block = (block_keys,)
+            if columns:
+                block += (keys.new_empty(block_keys.shape[0], 2),)
+            if labels is not None:
+                block += (labels.new_empty(block_keys.shape[0]),)
+            return block
 
         def visit(owner: int, block: Block) -> Tensor:
-            block_keys = block[0][:, :width]
+            block_keys = block[0]
             own_diagonal = exclude_self and owner == ring.rank
             key_grad = torch.zeros_like(block_keys)
             for start in range(0, queries.shape[0], chunk):
@@ -176,14 +184,14 @@ class _RingLogSumExp(torch.autograd.Function):
                 # The row term reuses the logits' memory: two c × n_b buffers at most.
                 column_term = None
                 if columns:
-                    block_col_lse, block_col_grad = block[0][:, width], block[0][:, width + 1]
+                    block_col_lse, block_col_grad = block[1][:, 0], block[1][:, 1]
                     column_term = (logits - block_col_lse[None, :]).exp_().mul_(block_col_grad[None, :])
                 logit_grad = logits.sub_(row_lse[start:stop, None]).exp_().mul_(row_grad[start:stop, None])
                 if column_term is not None:
                     logit_grad += column_term
                     del column_term
                 if labels is not None:
-                    mask = _same_label(labels[start:stop], block[1], start, own_diagonal)
+                    mask = _same_label(labels[start:stop], block[-1], start, own_diagonal)
                     logit_grad += mask * positive_grad[start:stop, None]
                 weighted_keys = logit_grad @ block_keys
                 query_grad[start:stop] += weighted_keys * scale
