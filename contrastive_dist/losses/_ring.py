@@ -4,15 +4,16 @@ Rank ``r`` sends to ``r − 1`` and receives from ``r + 1`` (ranks of ``group``)
 it holds the block of rank ``(r + k) mod W``; after ``W − 1`` hops it has seen every block.
 
 :func:`circulate` runs one pass and, optionally, an **accumulator** per block that collects
-every rank's contribution and comes home to the block's owner. The owner keeps its own
-contribution local; the accumulator starts one rank down the ring and travels one hop behind
-the block, so it needs ``W − 1`` hops like the block (the block's last hop home is skipped).
+every rank's contribution and comes home to the block's owner: the owner starts it, it follows
+its block one hop behind and each rank adds into it in place, so a step holds one accumulator
+whatever ``W`` (``W`` hops; the block itself needs ``W − 1``).
 
 What makes it safe and fast (each point a hang or a stall seen otherwise):
 
 * every send and receive of a step is posted in one ``batch_isend_irecv`` *before* computing on
   the current block, so the next block is on its way while this one is used (overlap), and
-  NCCL, whose sends block until matched, sees all of a step's operations as one group;
+  NCCL, whose sends block until matched, sees all of a step's operations as one group; only
+  the accumulator, added into in place, is waited for before computing (memory over overlap);
 * each message gets a fresh buffer and every operation is waited on before its buffer is
   reused or returned;
 * sizes are known to every rank up front, so an empty block (a rank with no rows) is skipped
@@ -97,30 +98,26 @@ def circulate(
     ring: Ring,
     own_block: Block,
     new_block: Callable[[int], Block],
-    visit: Callable[[int, Block], Tensor | None],
+    visit: Callable[[int, Block, Tensor | None], None],
     *,
     new_accumulator: Callable[[int], Tensor] | None = None,
-    combine: Callable[..., Tensor] | None = None,
 ) -> Tensor | None:
-    """Pass every rank's block round the ring and call ``visit(owner, block)`` on each, own block first.
+    """Pass every rank's block round the ring and call ``visit(owner, block, accumulator)`` on each.
 
     Args:
         ring: this rank's place in the ring.
-        own_block: this rank's travelling tensors (contiguous).
+        own_block: this rank's travelling tensors (contiguous); visited first.
         new_block: ``new_block(owner)`` allocates receive buffers shaped like ``owner``'s block.
-        visit: computes on one block; returns this rank's contribution to the block's
-            accumulator (``None`` without accumulator).
-        new_accumulator: ``new_accumulator(owner)`` allocates a receive buffer for ``owner``'s
-            accumulator; ``None``: no accumulator travels.
-        combine: merges two contributions, ``combine(a, b, out=a)`` (``torch.add``,
-            ``torch.logaddexp``); in place, so a step holds no third accumulator-sized buffer.
+        visit: computes on one block and adds this rank's contribution into ``accumulator``, in
+            place (``None`` when no accumulator travels).
+        new_accumulator: ``new_accumulator(owner)`` returns ``owner``'s accumulator, initialised
+            (zeros for a sum, ``-inf`` for a log-sum-exp); ``None``: no accumulator travels.
 
     Returns:
-        The accumulator of this rank's own block, with every rank's contribution combined
-        (``None`` without accumulator).
+        The accumulator of this rank's own block, with every rank's contribution (``None``
+        without accumulator).
     """
-    accumulating = new_accumulator is not None and combine is not None
-    block, own_part = own_block, None
+    block, accumulator = own_block, None
     incoming: Tensor | None = None
     accumulator_transfer: _Pending | None = None
     for step in range(ring.world_size):
@@ -129,25 +126,23 @@ def circulate(
             # The next block is on its way while this one is used.
             next_block = new_block(ring.owner(step + 1))
             block_transfer = ring.shift(block, next_block)
-        part = visit(ring.owner(step), block)
-        if accumulating and part is not None:
-            if step == 0:
-                own_part = part  # the owner's own contribution never travels
+        if new_accumulator is not None:
+            if accumulator_transfer is None:  # the owner starts its block's accumulator
+                accumulator = new_accumulator(ring.owner(step))
             else:
-                if accumulator_transfer is not None:
-                    accumulator_transfer.wait()
-                if step >= 2 and incoming is not None:
-                    part = combine(incoming, part, out=incoming)  # type: ignore[misc]
-                # The previous rank's block at this step is the one this rank holds next.
-                incoming = new_accumulator(ring.owner(step + 1))  # type: ignore[misc]
-                accumulator_transfer = ring.shift((part.contiguous(),), (incoming,))
-                del part  # only the transfer holds it now
+                # Added into in place: a step holds one accumulator, not a fresh part besides it.
+                accumulator_transfer.wait()
+                accumulator = incoming
+        visit(ring.owner(step), block, accumulator)
+        if accumulator is not None and ring.world_size > 1:
+            # It follows its block one hop behind; after the last step it reaches the owner.
+            incoming = new_accumulator(ring.owner(step + 1))  # type: ignore[misc]
+            accumulator_transfer = ring.shift((accumulator,), (incoming,))
+            accumulator = None  # only the transfer holds it now
         if not last:
             block_transfer.wait()
             block = next_block
-    if not accumulating:
-        return None
-    if accumulator_transfer is None:  # one rank: nothing travelled
-        return own_part
+    if accumulator_transfer is None:  # one rank, or no accumulator
+        return accumulator
     accumulator_transfer.wait()
-    return combine(incoming, own_part, out=incoming)  # type: ignore[misc,arg-type]
+    return incoming

@@ -67,7 +67,7 @@ class _RingSigmoid(torch.autograd.Function):
         ring, chunk, _ = options
         row_loss = images.new_zeros(images.shape[0])
 
-        def visit(owner: int, block: Block) -> None:
+        def visit(owner: int, block: Block, _: Tensor | None) -> None:
             for start in range(0, images.shape[0], chunk):
                 stop = min(start + chunk, images.shape[0])
                 margins = _margins(images[start:stop], block[0], scale, bias, start, owner == ring.rank)
@@ -87,9 +87,8 @@ class _RingSigmoid(torch.autograd.Function):
         image_grad = torch.zeros_like(images)
         scale_grad, bias_grad = images.new_zeros(()), images.new_zeros(())
 
-        def visit(owner: int, block: Block) -> Tensor:
+        def visit(owner: int, block: Block, text_grad: Tensor | None) -> None:
             block_texts, own = block[0], owner == ring.rank
-            text_grad = torch.zeros_like(block_texts)
             for start in range(0, images.shape[0], chunk):
                 stop = min(start + chunk, images.shape[0])
                 chunk_images = images[start:stop]
@@ -103,16 +102,14 @@ class _RingSigmoid(torch.autograd.Function):
                 image_grad[start:stop] += weighted_texts * scale
                 scale_grad.add_((chunk_images * weighted_texts).sum())
                 bias_grad.add_(logit_grad.sum())
-                text_grad.addmm_(logit_grad.T, chunk_images * scale)
-            return text_grad
+                text_grad.addmm_(logit_grad.T, chunk_images * scale)  # type: ignore[union-attr]
 
         text_grad = circulate(
             ring,
             (texts.contiguous(),),
             lambda owner: (texts.new_empty(ring.sizes[owner], texts.shape[1]),),
             visit,
-            new_accumulator=lambda owner: texts.new_empty(ring.sizes[owner], texts.shape[1]),
-            combine=torch.add,
+            new_accumulator=lambda owner: texts.new_zeros(ring.sizes[owner], texts.shape[1]),
         )
         return (
             image_grad if want_image else None,

@@ -107,10 +107,9 @@ class _RingLogSumExp(torch.autograd.Function):
         positive_sum = queries.new_zeros(queries.shape[0] if labels is not None else 0)
         positive_count = torch.zeros_like(positive_sum, dtype=torch.long)
 
-        def visit(owner: int, block: Block) -> Tensor | None:
+        def visit(owner: int, block: Block, column_lse: Tensor | None) -> None:
             block_keys, block_labels = block[0], block[1] if labels is not None else None
             own_diagonal = exclude_self and owner == ring.rank
-            column_lse = queries.new_full((block_keys.shape[0],), float("-inf"))
             for start in range(0, queries.shape[0], chunk):
                 stop = min(start + chunk, queries.shape[0])
                 logits = _logits(queries[start:stop], block_keys, scale, start, own_diagonal)
@@ -118,10 +117,9 @@ class _RingLogSumExp(torch.autograd.Function):
                     mask = _same_label(labels[start:stop], block_labels, start, own_diagonal)
                     positive_sum[start:stop] += torch.where(mask, logits, 0.0).sum(dim=1)
                     positive_count[start:stop] += mask.sum(dim=1)
-                if columns:
+                if column_lse is not None:
                     torch.logaddexp(column_lse, torch.logsumexp(logits, dim=0), out=column_lse)
                 torch.logaddexp(row_lse[start:stop], torch.logsumexp(logits, dim=1), out=row_lse[start:stop])
-            return column_lse if columns else None
 
         own = (keys.contiguous(),) if labels is None else (keys.contiguous(), labels.contiguous())
 
@@ -132,11 +130,9 @@ class _RingLogSumExp(torch.autograd.Function):
             return block_keys, labels.new_empty(block_keys.shape[0])
 
         def new_column_lse(owner: int) -> Tensor:
-            return queries.new_empty(ring.sizes[owner] * rows_per_key_row)
+            return queries.new_full((ring.sizes[owner] * rows_per_key_row,), float("-inf"))
 
-        col_lse = circulate(
-            ring, own, new_block, visit, new_accumulator=new_column_lse if columns else None, combine=torch.logaddexp
-        )
+        col_lse = circulate(ring, own, new_block, visit, new_accumulator=new_column_lse if columns else None)
         if col_lse is None:
             col_lse = queries.new_zeros(0)
         ctx.save_for_backward(queries, keys, scale, row_lse, col_lse, positive_count)
@@ -172,10 +168,9 @@ class _RingLogSumExp(torch.autograd.Function):
                 block += (labels.new_empty(block_keys.shape[0]),)
             return block
 
-        def visit(owner: int, block: Block) -> Tensor:
+        def visit(owner: int, block: Block, key_grad: Tensor | None) -> None:
             block_keys = block[0]
             own_diagonal = exclude_self and owner == ring.rank
-            key_grad = torch.zeros_like(block_keys)
             for start in range(0, queries.shape[0], chunk):
                 stop = min(start + chunk, queries.shape[0])
                 chunk_queries = queries[start:stop]
@@ -196,17 +191,12 @@ class _RingLogSumExp(torch.autograd.Function):
                 weighted_keys = logit_grad @ block_keys
                 query_grad[start:stop] += weighted_keys * scale
                 scale_grad.add_((chunk_queries * weighted_keys).sum())
-                key_grad.addmm_(logit_grad.T, chunk_queries * scale)
-            return key_grad
+                key_grad.addmm_(logit_grad.T, chunk_queries * scale)  # type: ignore[union-attr]
 
-        key_grad = circulate(
-            ring,
-            own_block,
-            new_block,
-            visit,
-            new_accumulator=lambda owner: _key_block(ring, owner, rows_per_key_row, keys, width),
-            combine=torch.add,
-        )
+        def new_key_grad(owner: int) -> Tensor:
+            return _key_block(ring, owner, rows_per_key_row, keys, width).zero_()
+
+        key_grad = circulate(ring, own_block, new_block, visit, new_accumulator=new_key_grad)
         return (
             query_grad if want_query else None,
             key_grad if want_key else None,
