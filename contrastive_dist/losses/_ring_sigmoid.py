@@ -44,6 +44,17 @@ def ring_sigmoid_rows(
 
     Shape:
         images, texts: ``(n_r, D)``; scale, bias: ``()``; output: ``(n_r,)``.
+
+    Example:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from contrastive_dist.losses._ring import Ring
+        >>> images, texts = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+        >>> scale, bias = torch.tensor(3.0).double(), torch.tensor(-1.0).double()
+        >>> rows = ring_sigmoid_rows(images, texts, scale, bias, Ring(0, 1, (4,)), chunk_size=3)
+        >>> signs = 2 * torch.eye(4, dtype=torch.float64) - 1
+        >>> torch.allclose(rows, -F.logsigmoid(signs * (scale * images @ texts.T + bias)).sum(1))
+        True
     """
     chunk = chunk_size or max(images.shape[0], 1)
     wanted = tuple(torch.is_grad_enabled() and t.requires_grad for t in (images, texts, scale, bias))

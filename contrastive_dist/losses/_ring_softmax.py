@@ -66,6 +66,16 @@ def ring_logsumexp(
 
     Shape:
         queries, keys: ``(m_r, D)``; scale: ``()``; labels: ``(m_r,)``; outputs: ``(m_r,)``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_dist.losses._ring import Ring
+        >>> queries, keys = torch.randn(5, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+        >>> row_lse, col_lse, _, _ = ring_logsumexp(queries, keys, torch.tensor(2.0).double(), Ring(0, 1, (5,)),
+        ...                                         columns=True, chunk_size=2)
+        >>> logits = 2.0 * queries @ keys.T
+        >>> torch.allclose(row_lse, logits.logsumexp(1)), torch.allclose(col_lse, logits.logsumexp(0))
+        (True, True)
     """
     chunk = chunk_size or max(queries.shape[0], 1)
     wanted = tuple(torch.is_grad_enabled() and t.requires_grad for t in (queries, keys, scale))
