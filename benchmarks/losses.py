@@ -5,6 +5,10 @@ Run (gloo, CPU, one process per rank)::
     python benchmarks/losses.py --quick                 # small sizes, about a minute
     python benchmarks/losses.py                         # W=2 and W=4, 4096 rows per rank, D=512
     python benchmarks/losses.py --world-sizes 2 --n 4096 --repeats 5
+    # memory against the number of ranks at fixed rows per rank: gather vs ring vs open_clip
+    python benchmarks/losses.py --world-sizes 2 4 8 --n 1024 --dim 256 --no-uneven \
+        --methods clip clip_chunk256 clip_ring clip_ring_chunk256 clip_ring_chunk256_wait open_clip_local \
+        --by-ranks clip_chunk256
 
 Every method runs forward + backward on the same L2-normalised features (scale 1/0.07);
 methods are interleaved inside each repeat so that load from other processes hits them alike,
@@ -14,6 +18,11 @@ sampled every 0.5 ms by a thread reading ``/proc/self/statm`` (PyTorch ops relea
 so the sampler runs while they compute). glibc is told to serve every allocation above 64 KiB
 with ``mmap`` (``MALLOC_MMAP_THRESHOLD_``), so freed tensors leave the RSS at once and each
 measurement starts from the same floor.
+
+``clip_ring*`` rows are ``DistributedInfoNCE(communication="ring")``; ``clip_ring_chunk256_wait`` is
+the same with every transfer waited for before computing on the block (no overlap), a variant that
+lives only here: the difference to ``clip_ring_chunk256`` is the transfer time the overlap hides.
+``--by-ranks METHOD`` ends with one table of peak memory and time against W, with ratios to METHOD.
 
 Baselines (optional; a row says "missing" when the package is not installed):
 ``open_clip`` ``ClipLoss(local_loss=True, gather_with_grad=True)`` and ``ClipLoss()``
