@@ -20,6 +20,7 @@ from test_losses_reference import (
     KINDS,
     assert_close,
     clip_reference,
+    encode,
     make_problem,
     package_loss,
     reference_loss,
@@ -123,8 +124,8 @@ def test_ring_equals_single_process_reference_and_gather_mode(
     _check(cases, pool(world_size).run(_run_cases, cases, timeout=120))
 
 
-def _empty_global_batch_and_subgroup(rank: int, world_size: int) -> dict[str, object]:
-    """W = 4: an empty global batch, and a subgroup of ranks {0, 2, 3} (rank 1 stays out)."""
+def _edge_cases(rank: int, world_size: int) -> dict[str, object]:
+    """W = 4: an empty global batch, a subgroup of ranks {0, 2, 3} (rank 1 stays out), a frozen tower."""
     outcome: dict[str, object] = {}
     params, data = make_problem(seed=3, total=0, dtype=torch.float64)
     for kind in KINDS:
@@ -140,11 +141,26 @@ def _empty_global_batch_and_subgroup(rank: int, world_size: int) -> dict[str, ob
             loss = package_loss(kind, params, local, 2, None, communication="ring", group=group)
             outcome[f"group {kind}"] = value_and_grads(loss, params)
     dist.destroy_process_group(group)
+    # A frozen tower (LiT locks the image tower): the side without gradient sends no accumulator.
+    shards = (3, 0, 4, 1)
+    params, data = make_problem(seed=5, total=sum(shards), dtype=torch.float64)
+    local = _local(data, shards, rank)
+    for frozen in ("image", "text"):
+        for communication in ("ring", "gather"):
+            for kind in ("clip", "clip_one_way", "siglip"):
+                images, texts = encode(params, local)
+                images, texts = (images.detach(), texts) if frozen == "image" else (images, texts.detach())
+                scale, options = params["log_scale"].exp(), {"chunk_size": 2, "communication": communication}
+                if kind == "siglip":
+                    loss = siglip(images, texts, scale, params["bias"], **options)  # type: ignore[arg-type]
+                else:
+                    loss = info_nce(images, texts, scale, symmetric=kind == "clip", **options)  # type: ignore[arg-type]
+                outcome[f"frozen {frozen} {kind} {communication}"] = value_and_grads(loss, params)
     return outcome
 
 
-def test_empty_global_batch_and_subgroup(pool: Callable[[int], WorkerPool]) -> None:
-    per_rank = pool(4).run(_empty_global_batch_and_subgroup, timeout=60)
+def test_empty_global_batch_subgroup_and_frozen_tower(pool: Callable[[int], WorkerPool]) -> None:
+    per_rank = pool(4).run(_edge_cases, timeout=60)
     for rank, outcome in enumerate(per_rank):
         for kind in KINDS:
             assert outcome[f"empty {kind}"] == (0.0, 0.0), f"rank {rank} {kind}"
@@ -157,6 +173,16 @@ def test_empty_global_batch_and_subgroup(pool: Callable[[int], WorkerPool]) -> N
         for name, expected_grad in expected_grads.items():
             assert_close(grads[name], expected_grad, torch.float64, f"group {kind} d/d{name}")
         assert f"group {kind}" not in per_rank[1]
+    for frozen in ("image", "text"):
+        for kind in ("clip", "clip_one_way", "siglip"):
+            what = f"frozen {frozen} {kind}"
+            ring = _mean_over_ranks([outcome[f"{what} ring"] for outcome in per_rank])  # type: ignore[misc]
+            gather = _mean_over_ranks([outcome[f"{what} gather"] for outcome in per_rank])  # type: ignore[misc]
+            assert_close(ring[0], gather[0], torch.float64, what)
+            for name, grad in gather[1].items():
+                assert_close(ring[1][name], grad, torch.float64, f"{what} d/d{name}")
+            frozen_weight = "w_image" if frozen == "image" else "w_text"
+            assert not ring[1][frozen_weight].any(), what
 
 
 def _bad_input_on_rank_one(rank: int, world_size: int) -> dict[str, tuple[str, str] | float]:

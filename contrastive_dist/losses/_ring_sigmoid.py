@@ -109,18 +109,21 @@ class _RingSigmoid(torch.autograd.Function):
                     rows = torch.arange(stop - start, device=logit_grad.device)
                     logit_grad[rows, rows + start] = -logit_grad[rows, rows + start]
                 logit_grad.mul_(row_grad[start:stop, None])
-                weighted_texts = logit_grad @ block_texts
-                image_grad[start:stop] += weighted_texts * scale
-                scale_grad.add_((chunk_images * weighted_texts).sum())
                 bias_grad.add_(logit_grad.sum())
-                text_grad.addmm_(logit_grad.T, chunk_images * scale)  # type: ignore[union-attr]
+                if want_image or want_scale:
+                    weighted_texts = logit_grad @ block_texts
+                    image_grad[start:stop] += weighted_texts * scale
+                    scale_grad.add_((chunk_images * weighted_texts).sum())
+                if text_grad is not None:
+                    text_grad.addmm_(logit_grad.T, chunk_images * scale)
 
         text_grad = circulate(
             ring,
             (texts.contiguous(),),
             lambda owner: (texts.new_empty(ring.sizes[owner], texts.shape[1]),),
             visit,
-            new_accumulator=lambda owner: texts.new_zeros(ring.sizes[owner], texts.shape[1]),
+            # Frozen texts (the same on every rank, as the size exchange checked): no accumulator.
+            new_accumulator=(lambda owner: texts.new_zeros(ring.sizes[owner], texts.shape[1])) if want_text else None,
         )
         return (
             image_grad if want_image else None,

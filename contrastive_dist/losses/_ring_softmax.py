@@ -198,15 +198,19 @@ class _RingLogSumExp(torch.autograd.Function):
                 if labels is not None:
                     mask = _same_label(labels[start:stop], block[-1], start, own_diagonal)
                     logit_grad += mask * positive_grad[start:stop, None]
-                weighted_keys = logit_grad @ block_keys
-                query_grad[start:stop] += weighted_keys * scale
-                scale_grad.add_((chunk_queries * weighted_keys).sum())
-                key_grad.addmm_(logit_grad.T, chunk_queries * scale)  # type: ignore[union-attr]
+                if want_query or want_scale:
+                    weighted_keys = logit_grad @ block_keys
+                    query_grad[start:stop] += weighted_keys * scale
+                    scale_grad.add_((chunk_queries * weighted_keys).sum())
+                if key_grad is not None:
+                    key_grad.addmm_(logit_grad.T, chunk_queries * scale)
 
         def new_key_grad(owner: int) -> Tensor:
             return _key_block(ring, owner, rows_per_key_row, keys, width).zero_()
 
-        key_grad = circulate(ring, own_block, new_block, visit, new_accumulator=new_key_grad)
+        # A frozen key tower (no key gradient; the same on every rank, as the size exchange checked)
+        # sends no accumulator and skips its product.
+        key_grad = circulate(ring, own_block, new_block, visit, new_accumulator=new_key_grad if want_key else None)
         return (
             query_grad if want_query else None,
             key_grad if want_key else None,
