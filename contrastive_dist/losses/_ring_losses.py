@@ -137,7 +137,7 @@ def ring_nt_xent(
         scale = scale.to(u1.dtype)
         anchors = torch.cat((u1, u2))  # local rows: first views, then second views
         row_lse, _, _, _ = ring_logsumexp(
-            anchors, anchors, scale, ring, rows_per_key_row=2, exclude_self=True, chunk_size=chunk_size
+            anchors, anchors, scale, ring, rows_per_sample=2, exclude_self=True, chunk_size=chunk_size
         )
         positives = (u1 * u2).sum(dim=1) * scale
         return share(row_lse - torch.cat((positives, positives)), 2 * sum(ring.sizes), ring.world_size)
@@ -187,7 +187,7 @@ def ring_supcon(
             embeddings,
             scale,
             ring,
-            rows_per_key_row=views,
+            rows_per_sample=views,
             labels=labels.repeat_interleave(views),
             exclude_self=True,
             chunk_size=chunk_size,

@@ -42,7 +42,7 @@ def ring_logsumexp(
     scale: Tensor,
     ring: Ring,
     *,
-    rows_per_key_row: int = 1,
+    rows_per_sample: int = 1,
     labels: Tensor | None = None,
     exclude_self: bool = False,
     columns: bool = False,
@@ -55,7 +55,7 @@ def ring_logsumexp(
         keys: this rank's key rows (travel); with ``exclude_self`` or ``labels``, the same rows as ``queries``.
         scale: the logit multiplier ``s``, a 0-d tensor in the queries' dtype.
         ring: this rank's place in the ring; ``ring.sizes`` counts samples.
-        rows_per_key_row: key rows per sample (2 for NT-Xent's two views, ``V`` for SupCon).
+        rows_per_sample: key rows per sample (2 for NT-Xent's two views, ``V`` for SupCon).
         labels: one integer label per key row (SupCon), or ``None``.
         exclude_self: leave out each query's own key.
         columns: also return the column log-sum-exps of this rank's keys.
@@ -79,12 +79,12 @@ def ring_logsumexp(
     """
     chunk = chunk_size or max(queries.shape[0], 1)
     wanted = tuple(torch.is_grad_enabled() and t.requires_grad for t in (queries, keys, scale))
-    options = (ring, rows_per_key_row, labels, exclude_self, columns, chunk, wanted)
+    options = (ring, rows_per_sample, labels, exclude_self, columns, chunk, wanted)
     return _RingLogSumExp.apply(queries, keys, scale, options)  # type: ignore[no-any-return]
 
 
-def _key_block(ring: Ring, owner: int, rows_per_key_row: int, like: Tensor, width: int) -> Tensor:
-    return like.new_empty((ring.sizes[owner] * rows_per_key_row, width))
+def _key_block(ring: Ring, owner: int, rows_per_sample: int, like: Tensor, width: int) -> Tensor:
+    return like.new_empty((ring.sizes[owner] * rows_per_sample, width))
 
 
 def _logits(queries: Tensor, keys: Tensor, scale: Tensor, start: int, own_diagonal: bool) -> Tensor:
@@ -111,7 +111,7 @@ class _RingLogSumExp(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, queries: Tensor, keys: Tensor, scale: Tensor, options: tuple[Any, ...]
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        ring, rows_per_key_row, labels, exclude_self, columns, chunk, _ = options
+        ring, rows_per_sample, labels, exclude_self, columns, chunk, _ = options
         width = keys.shape[1]
         row_lse = queries.new_full((queries.shape[0],), float("-inf"))
         positive_sum = queries.new_zeros(queries.shape[0] if labels is not None else 0)
@@ -134,13 +134,13 @@ class _RingLogSumExp(torch.autograd.Function):
         own = (keys.contiguous(),) if labels is None else (keys.contiguous(), labels.contiguous())
 
         def new_block(owner: int) -> Block:
-            block_keys = _key_block(ring, owner, rows_per_key_row, keys, width)
+            block_keys = _key_block(ring, owner, rows_per_sample, keys, width)
             if labels is None:
                 return (block_keys,)
             return block_keys, labels.new_empty(block_keys.shape[0])
 
         def new_column_lse(owner: int) -> Tensor:
-            return queries.new_full((ring.sizes[owner] * rows_per_key_row,), float("-inf"))
+            return queries.new_full((ring.sizes[owner] * rows_per_sample,), float("-inf"))
 
         col_lse = circulate(ring, own, new_block, visit, new_accumulator=new_column_lse if columns else None)
         if col_lse is None:
@@ -156,7 +156,7 @@ class _RingLogSumExp(torch.autograd.Function):
         ctx: Any, row_grad: Tensor, col_grad: Tensor, positive_grad: Tensor, _: Tensor
     ) -> tuple[Tensor | None, ...]:
         queries, keys, scale, row_lse, col_lse, _count = ctx.saved_tensors
-        ring, rows_per_key_row, labels, exclude_self, columns, chunk, wanted = ctx.options
+        ring, rows_per_sample, labels, exclude_self, columns, chunk, wanted = ctx.options
         want_query, want_key, want_scale = wanted
         width = keys.shape[1]
         query_grad = torch.zeros_like(queries)
@@ -170,7 +170,7 @@ class _RingLogSumExp(torch.autograd.Function):
             own_block += (labels.contiguous(),)
 
         def new_block(owner: int) -> Block:
-            block_keys = _key_block(ring, owner, rows_per_key_row, keys, width)
+            block_keys = _key_block(ring, owner, rows_per_sample, keys, width)
             block: Block = (block_keys,)
             if columns:
                 block += (keys.new_empty(block_keys.shape[0], 2),)
@@ -206,7 +206,7 @@ class _RingLogSumExp(torch.autograd.Function):
                     key_grad.addmm_(logit_grad.T, chunk_queries * scale)
 
         def new_key_grad(owner: int) -> Tensor:
-            return _key_block(ring, owner, rows_per_key_row, keys, width).zero_()
+            return _key_block(ring, owner, rows_per_sample, keys, width).zero_()
 
         # A frozen key tower (no key gradient; the same on every rank, as the size exchange checked)
         # sends no accumulator and skips its product.
