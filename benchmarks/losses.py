@@ -5,6 +5,10 @@ Run (gloo, CPU, one process per rank)::
     python benchmarks/losses.py --quick                 # small sizes, about a minute
     python benchmarks/losses.py                         # W=2 and W=4, 4096 rows per rank, D=512
     python benchmarks/losses.py --world-sizes 2 --n 4096 --repeats 5
+    # memory against the number of ranks at fixed rows per rank: gather vs ring vs open_clip
+    python benchmarks/losses.py --world-sizes 2 4 8 --n 1024 --dim 256 --no-uneven \
+        --methods clip clip_chunk256 clip_ring clip_ring_chunk256 clip_ring_chunk256_wait open_clip_local \
+        --by-ranks clip_chunk256
 
 Every method runs forward + backward on the same L2-normalised features (scale 1/0.07);
 methods are interleaved inside each repeat so that load from other processes hits them alike,
@@ -14,6 +18,11 @@ sampled every 0.5 ms by a thread reading ``/proc/self/statm`` (PyTorch ops relea
 so the sampler runs while they compute). glibc is told to serve every allocation above 64 KiB
 with ``mmap`` (``MALLOC_MMAP_THRESHOLD_``), so freed tensors leave the RSS at once and each
 measurement starts from the same floor.
+
+``clip_ring*`` rows are ``DistributedInfoNCE(communication="ring")``; ``clip_ring_chunk256_wait`` is
+the same with every transfer waited for before computing on the block (no overlap), a variant that
+lives only here: the difference to ``clip_ring_chunk256`` is the transfer time the overlap hides.
+``--by-ranks METHOD`` ends with one table of peak memory and time against W, with ratios to METHOD.
 
 Baselines (optional; a row says "missing" when the package is not installed):
 ``open_clip`` ``ClipLoss(local_loss=True, gather_with_grad=True)`` and ``ClipLoss()``
@@ -45,6 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from contrastive_dist.losses import _ring
 from contrastive_dist.testing import run_distributed
 
 METHODS = (
@@ -52,6 +62,9 @@ METHODS = (
     "clip_chunk256",
     "clip_chunk1024",
     "clip_chunk256_recompute",
+    "clip_ring",
+    "clip_ring_chunk256",
+    "clip_ring_chunk256_wait",
     "open_clip_local",
     "open_clip_default",
     "gemm_floor",
@@ -99,6 +112,17 @@ def _build(method: str, rank: int, world_size: int, dim: int) -> Callable[..., t
     """A ``loss(images, texts, scale)`` callable, or None when its package is missing."""
     from contrastive_dist import DistributedInfoNCE, NTXentLoss
 
+    if method.startswith("clip_ring"):
+        chunk = int(method.split("chunk")[1].split("_")[0]) if "chunk" in method else None
+        ring = DistributedInfoNCE(chunk_size=chunk, communication="ring")
+        shift = _shift_then_wait if method.endswith("_wait") else _OVERLAPPING_SHIFT
+
+        def ring_loss(images: torch.Tensor, texts: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            # Only in this worker process: ``_wait`` waits for every transfer before computing (no overlap).
+            _ring.Ring.shift = shift  # type: ignore[method-assign]
+            return ring(images, texts, scale)
+
+        return ring_loss
     if method.startswith("clip"):
         chunk = int(method.split("chunk")[1].split("_")[0]) if "chunk" in method else None
         if method.endswith("_recompute"):
@@ -135,6 +159,16 @@ def _build(method: str, rank: int, world_size: int, dim: int) -> Callable[..., t
     if method == "gemm_floor":
         return _gemm_floor
     raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+
+
+_OVERLAPPING_SHIFT = _ring.Ring.shift
+
+
+def _shift_then_wait(ring: _ring.Ring, outgoing: Sequence[torch.Tensor], incoming: Sequence[torch.Tensor]) -> Any:
+    """The ring transport without overlap: the transfer is over before the current block is used."""
+    pending = _OVERLAPPING_SHIFT(ring, outgoing, incoming)
+    pending.wait()
+    return pending
 
 
 def _gemm_floor(images: torch.Tensor, texts: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -225,6 +259,33 @@ def table(results: dict[str, dict[str, Any]], reference: str) -> str:
     return "\n".join(lines)
 
 
+def ranks_table(by_world: dict[int, dict[str, dict[str, Any]]], reference: str) -> str:
+    """Peak memory and time of each method against the number of ranks (fixed rows per rank)."""
+    worlds = sorted(by_world)
+    first, last = worlds[0], worlds[-1]
+    header = " | ".join(f"W={w} MiB" for w in worlds)
+    times = " | ".join(f"W={w} time (s)" for w in worlds)
+    lines = [
+        f"| method | {header} | W={last} / W={first} memory | × {reference} memory at W={last} | {times} "
+        f"| × {reference} time at W={last} |",
+        "|---|" + "---:|" * (2 * len(worlds) + 3),
+    ]
+    for method in by_world[first]:
+        rows = [by_world[w][method] for w in worlds]
+        if any(row["missing"] for row in rows):
+            lines.append(f"| {method} | {rows[0]['missing'] or rows[-1]['missing']} |" + " |" * (2 * len(worlds) + 2))
+            continue
+        ref = by_world[last][reference]
+        memory = " | ".join(f"{row['peak_mib']:.1f}" for row in rows)
+        time_s = " | ".join(f"{row['time_s']:.3f}" for row in rows)
+        growth = rows[-1]["peak_mib"] / rows[0]["peak_mib"]
+        lines.append(
+            f"| {method} | {memory} | {growth:.2f} | {rows[-1]['peak_mib'] / ref['peak_mib']:.2f} | {time_s} "
+            f"| {rows[-1]['time_s'] / ref['time_s']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="n=512 per rank, 3 repeats")
@@ -234,6 +295,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-uneven", action="store_true", help="skip the uneven-sizes run")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument(
+        "--by-ranks",
+        metavar="REFERENCE",
+        help="after the per-W tables, one table of memory and time against W, ratios to REFERENCE (a method)",
+    )
     args = parser.parse_args(argv)
     n = 512 if args.quick else args.n
     for package, hint in (("open_clip", "pip install open-clip-torch"), ("lightly", "pip install --no-deps lightly")):
@@ -246,13 +312,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args.no_uneven:
         uneven = [2048, 1792, 1536, 1280] if not args.quick else [256, 224, 192, 160]
         runs.append((4, uneven))
+    by_world: dict[int, dict[str, dict[str, Any]]] = {}
     for world_size, sizes in runs:
         results = measure_many(args.methods, world_size, sizes, dim=args.dim, repeats=args.repeats)
+        if len(set(sizes)) == 1:
+            by_world[world_size] = results
         local = results.get("open_clip_local")
         reference = "open_clip_local" if local and not local["missing"] else args.methods[0]
         print(f"\n### W={world_size}, sizes={sizes}, D={args.dim}, fp32, median of {args.repeats}\n")
         print(table(results, reference))
         sys.stdout.flush()
+    if args.by_ranks:
+        print(f"\n### Memory and time against the number of ranks: n={n} per rank, D={args.dim}, fp32\n")
+        print(ranks_table(by_world, args.by_ranks))
 
 
 if __name__ == "__main__":

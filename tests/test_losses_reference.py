@@ -6,10 +6,12 @@ Imported by the loss tests and, through pickled functions, by their gloo workers
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from contrastive_dist import info_nce, nt_xent, siglip, supcon
 
@@ -94,21 +96,28 @@ def encode(params: dict[str, Tensor], data: dict[str, Tensor]) -> tuple[Tensor, 
 
 
 def package_loss(
-    kind: str, params: dict[str, Tensor], data: dict[str, Tensor], chunk_size: int | None, sizes: tuple[int, ...] | None
+    kind: str,
+    params: dict[str, Tensor],
+    data: dict[str, Tensor],
+    chunk_size: int | None,
+    sizes: tuple[int, ...] | None,
+    communication: Literal["gather", "ring"] = "gather",
+    group: ProcessGroup | None = None,
 ) -> Tensor:
     images, texts = encode(params, data)
     scale = params["log_scale"].exp()
+    options = {"chunk_size": chunk_size, "sizes": sizes, "communication": communication, "group": group}
     if kind in ("clip", "clip_one_way"):
-        return info_nce(images, texts, scale, symmetric=kind == "clip", chunk_size=chunk_size, sizes=sizes)
+        return info_nce(images, texts, scale, symmetric=kind == "clip", **options)  # type: ignore[arg-type]
     if kind.startswith("ntxent"):
         raw_1, raw_2 = data["x_image"] @ params["w_image"], data["x_text"] @ params["w_text"]
         given = scale if kind == "ntxent_scale" else None
-        return nt_xent(raw_1, raw_2, given, temperature=NTXENT_TEMPERATURE, chunk_size=chunk_size, sizes=sizes)
+        return nt_xent(raw_1, raw_2, given, temperature=NTXENT_TEMPERATURE, **options)  # type: ignore[arg-type]
     if kind == "siglip":
-        return siglip(images, texts, scale, params["bias"], chunk_size=chunk_size, sizes=sizes)
+        return siglip(images, texts, scale, params["bias"], **options)  # type: ignore[arg-type]
     features = images if kind == "supcon" else torch.stack([images, texts], dim=1)
     given = scale if kind == "supcon_views_scale" else None
-    return supcon(features, data["labels"], given, temperature=SUPCON_TEMPERATURE, chunk_size=chunk_size, sizes=sizes)
+    return supcon(features, data["labels"], given, temperature=SUPCON_TEMPERATURE, **options)  # type: ignore[arg-type]
 
 
 def reference_loss(kind: str, params: dict[str, Tensor], data: dict[str, Tensor]) -> Tensor:

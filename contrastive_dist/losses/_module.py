@@ -7,12 +7,13 @@ from torch.distributed import ProcessGroup
 
 from contrastive_dist.losses._checks import check_chunk_size, check_temperature
 from contrastive_dist.losses._reduction import Reduction, check_reduction
+from contrastive_dist.losses._ring_losses import Communication, check_communication
 
 __all__ = ["TemperatureLoss"]
 
 
 class TemperatureLoss(nn.Module):
-    """Holds ``temperature`` (when ``forward`` gets no ``logit_scale``), ``chunk_size``, ``group``, ``reduction``."""
+    """Holds ``temperature`` (used without ``logit_scale``), ``chunk_size``, ``group``, ``reduction`` and the mode."""
 
     def __init__(
         self,
@@ -21,13 +22,18 @@ class TemperatureLoss(nn.Module):
         chunk_size: int | None,
         group: ProcessGroup | None,
         reduction: Reduction = "mean",
+        communication: Communication = "gather",
     ) -> None:
         super().__init__()
         self.reduction = check_reduction(reduction, None)
         self.temperature = check_temperature(temperature)
         self.chunk_size = check_chunk_size(chunk_size)
         self.group = group
+        self.communication = check_communication(communication)
 
     def extra_repr(self) -> str:
         """Show the options in ``repr``."""
-        return f"temperature={self.temperature}, chunk_size={self.chunk_size}, reduction={self.reduction!r}"
+        return (
+            f"temperature={self.temperature}, chunk_size={self.chunk_size}, reduction={self.reduction!r}, "
+            f"communication={self.communication!r}"
+        )

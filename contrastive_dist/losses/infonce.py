@@ -22,6 +22,7 @@ from contrastive_dist.losses._chunked import Targets, cross_entropy, upcast
 from contrastive_dist.losses._module import TemperatureLoss
 from contrastive_dist.losses._negatives import SharedNegatives, check_negatives, negative_columns, negatives_marker
 from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight, mean_factor
+from contrastive_dist.losses._ring_losses import Communication, check_ring_options, ring_checks, ring_info_nce
 
 __all__ = ["DistributedInfoNCE", "info_nce"]
 
@@ -39,6 +40,7 @@ def info_nce(
     negatives: Tensor | SharedNegatives | None = None,
     weight: Tensor | None = None,
     reduction: Reduction = "mean",
+    communication: Communication = "gather",
 ) -> Tensor:
     """CLIP loss of this rank's pairs against every rank's pairs; exact under data parallelism.
 
@@ -80,6 +82,10 @@ def info_nce(
             the same kind on every rank) or :class:`SharedNegatives`; see above.
         weight: one weight ≥ 0 per local pair (no gradient); see above.
         reduction: ``"mean"`` (this rank's share of the global mean) or ``"none"`` (per-pair losses).
+        communication: ``"gather"`` gathers every rank's features onto every rank (memory
+            ``O(N·D + chunk·N)``); ``"ring"`` keeps the images here and passes text blocks round
+            the ring, each logit block serving both directions (memory ``O(n_r·D + chunk·max_r n_r)``,
+            independent of the number of ranks); same value and gradients.
 
     Returns:
         ``"mean"``: a scalar, this rank's share of the global loss (0 for an empty global batch or
@@ -107,7 +113,7 @@ def info_nce(
         torch.Size([4])
 
     """
-    with validated_on_all_ranks((image_features, text_features), group=group, sizes=sizes):
+    with validated_on_all_ranks((image_features, text_features), group=group, sizes=ring_checks(communication, sizes)):
         image_features, text_features = check_pair("image_features", image_features, "text_features", text_features)
         scale = resolve_scale(logit_scale, check_temperature(temperature), image_features)
         chunk_size = check_chunk_size(chunk_size)
@@ -116,6 +122,11 @@ def info_nce(
         reduction = check_reduction(reduction, weight)
         weights = check_weight(weight, image_features.shape[0], image_features)
         negatives = check_negatives(negatives, text_features)
+        communication = check_ring_options(communication, weight=weight, reduction=reduction, negatives=negatives)
+    if communication == "ring":
+        return ring_info_nce(
+            image_features, text_features, scale, symmetric=symmetric, chunk_size=chunk_size, group=group, sizes=sizes
+        )
     world_size = get_world_size(group)
     own = (image_features, text_features) if symmetric else (text_features,)
     extras = (() if weights is None else (weights,)) + negatives_marker(negatives, text_features)
@@ -149,6 +160,8 @@ class DistributedInfoNCE(TemperatureLoss):
         chunk_size: rows per block (bounded memory, same result); ``None``: all at once.
         group: the process group (default: the world).
         reduction: ``"mean"`` or ``"none"`` (per-pair losses; the caller normalises).
+        communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
+            ranks); see :func:`info_nce`.
 
     Shape:
         image_features, text_features: ``(n_r, D)``; logit_scale: ``()``; negatives: ``(k_r, D)``;
@@ -174,8 +187,15 @@ class DistributedInfoNCE(TemperatureLoss):
         chunk_size: int | None = None,
         group: ProcessGroup | None = None,
         reduction: Reduction = "mean",
+        communication: Communication = "gather",
     ) -> None:
-        super().__init__(temperature=temperature, chunk_size=chunk_size, group=group, reduction=reduction)
+        super().__init__(
+            temperature=temperature,
+            chunk_size=chunk_size,
+            group=group,
+            reduction=reduction,
+            communication=communication,
+        )
         if not isinstance(symmetric, bool):
             raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
         self.symmetric = symmetric
@@ -203,6 +223,7 @@ class DistributedInfoNCE(TemperatureLoss):
             negatives=negatives,
             weight=weight,
             reduction=self.reduction,
+            communication=self.communication,
         )
 
     def extra_repr(self) -> str:

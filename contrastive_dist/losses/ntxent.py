@@ -21,6 +21,7 @@ from contrastive_dist.losses._checks import (
 from contrastive_dist.losses._chunked import Targets, cross_entropy, full_precision, upcast
 from contrastive_dist.losses._module import TemperatureLoss
 from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight, mean_factor
+from contrastive_dist.losses._ring_losses import Communication, check_ring_options, ring_checks, ring_nt_xent
 
 __all__ = ["NTXentLoss", "nt_xent"]
 
@@ -36,6 +37,7 @@ def nt_xent(
     sizes: Sequence[int] | None = None,
     weight: Tensor | None = None,
     reduction: Reduction = "mean",
+    communication: Communication = "gather",
 ) -> Tensor:
     """NT-Xent of this rank's views against both views of the whole global batch.
 
@@ -66,6 +68,9 @@ def nt_xent(
         sizes: every rank's batch size, if known (skips the size exchange).
         weight: one weight ≥ 0 per local sample (no gradient); see above.
         reduction: ``"mean"`` (this rank's share of the global mean) or ``"none"`` (per-sample losses).
+        communication: ``"gather"`` gathers both views of every rank onto every rank (memory
+            ``O(N·D + chunk·N)``); ``"ring"`` passes blocks of both views round the ring instead
+            (memory ``O(n_r·D + chunk·max_r n_r)``, independent of the number of ranks); same result.
 
     Returns:
         ``"mean"``: a scalar, this rank's share of the global loss (0 for an empty global batch or
@@ -89,12 +94,15 @@ def nt_xent(
         torch.Size([])
 
     """
-    with validated_on_all_ranks((z1, z2), group=group, sizes=sizes):
+    with validated_on_all_ranks((z1, z2), group=group, sizes=ring_checks(communication, sizes)):
         z1, z2 = check_pair("z1", z1, "z2", z2)
         scale = resolve_scale(logit_scale, check_temperature(temperature), z1)
         chunk_size = check_chunk_size(chunk_size)
         reduction = check_reduction(reduction, weight)
         weights = check_weight(weight, z1.shape[0], z1)
+        communication = check_ring_options(communication, weight=weight, reduction=reduction)
+    if communication == "ring":
+        return ring_nt_xent(z1, z2, scale, chunk_size=chunk_size, group=group, sizes=sizes)
     gathered = all_gather_many((z1, z2) + (() if weights is None else (weights,)), group=group, sizes=sizes)
     total = sum(gathered.sizes)
     with full_precision(z1.device):
@@ -128,6 +136,8 @@ class NTXentLoss(TemperatureLoss):
         chunk_size: anchors per block (bounded memory, same result); ``None``: all at once.
         group: the process group (default: the world).
         reduction: ``"mean"`` or ``"none"`` (per-sample losses; the caller normalises).
+        communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
+            ranks); see :func:`nt_xent`.
 
     Shape:
         z1, z2: ``(n_r, D)``; logit_scale: ``()``; weight: ``(n_r,)``; output: ``()``, or ``(n_r,)``
@@ -149,8 +159,15 @@ class NTXentLoss(TemperatureLoss):
         chunk_size: int | None = None,
         group: ProcessGroup | None = None,
         reduction: Reduction = "mean",
+        communication: Communication = "gather",
     ) -> None:
-        super().__init__(temperature=temperature, chunk_size=chunk_size, group=group, reduction=reduction)
+        super().__init__(
+            temperature=temperature,
+            chunk_size=chunk_size,
+            group=group,
+            reduction=reduction,
+            communication=communication,
+        )
 
     def forward(
         self,
@@ -172,4 +189,5 @@ class NTXentLoss(TemperatureLoss):
             sizes=sizes,
             weight=weight,
             reduction=self.reduction,
+            communication=self.communication,
         )

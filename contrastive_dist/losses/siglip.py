@@ -23,6 +23,13 @@ from contrastive_dist.losses._checks import (
 )
 from contrastive_dist.losses._chunked import first_order_only, full_precision, upcast
 from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight, mean_factor
+from contrastive_dist.losses._ring_losses import (
+    Communication,
+    check_communication,
+    check_ring_options,
+    ring_checks,
+    ring_siglip,
+)
 
 __all__ = ["SigLIPLoss", "siglip"]
 
@@ -38,6 +45,7 @@ def siglip(
     sizes: Sequence[int] | None = None,
     weight: Tensor | None = None,
     reduction: Reduction = "mean",
+    communication: Communication = "gather",
 ) -> Tensor:
     """Sigmoid loss of this rank's images against every rank's texts; exact under data parallelism.
 
@@ -71,6 +79,10 @@ def siglip(
         sizes: every rank's batch size, if known (skips the size exchange).
         weight: one weight ≥ 0 per local image row (no gradient); see above.
         reduction: ``"mean"`` (this rank's share of the global mean) or ``"none"`` (per-row losses).
+        communication: ``"gather"`` gathers every rank's texts onto every rank (memory
+            ``O(N·D + chunk·N)``); ``"ring"`` keeps them local and passes text blocks round the
+            ring instead (memory ``O(n_r·D + chunk·max_r n_r)``, independent of the number of
+            ranks); same value and gradients.
 
     Returns:
         ``"mean"``: a scalar, this rank's share of the global loss (0 for an empty global batch or
@@ -94,13 +106,16 @@ def siglip(
         torch.Size([4])
 
     """
-    with validated_on_all_ranks((image_features, text_features), group=group, sizes=sizes):
+    with validated_on_all_ranks((image_features, text_features), group=group, sizes=ring_checks(communication, sizes)):
         image_features, text_features = check_pair("image_features", image_features, "text_features", text_features)
         scale = positive_scalar("logit_scale", logit_scale, image_features)
         bias = scalar_tensor("logit_bias", logit_bias, image_features)
         chunk_size = check_chunk_size(chunk_size)
         reduction = check_reduction(reduction, weight)
         weights = check_weight(weight, image_features.shape[0], image_features)
+        communication = check_ring_options(communication, weight=weight, reduction=reduction)
+    if communication == "ring":
+        return ring_siglip(image_features, text_features, scale, bias, chunk_size=chunk_size, group=group, sizes=sizes)
     own = (text_features,) + (() if weights is None else (weights,))
     gathered = all_gather_many(own, group=group, sizes=sizes)
     factor = mean_factor(get_world_size(group), sum(gathered.sizes), None if weights is None else gathered.tensors[1])
@@ -202,6 +217,8 @@ class SigLIPLoss(nn.Module):
         chunk_size: image rows per block (bounded memory, same result); ``None``: all at once.
         group: the process group (default: the world).
         reduction: ``"mean"`` or ``"none"`` (per-row losses; the caller normalises).
+        communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
+            ranks); see :func:`siglip`.
 
     Shape:
         image_features, text_features: ``(n_r, D)``; logit_scale, logit_bias: ``()``;
@@ -217,12 +234,18 @@ class SigLIPLoss(nn.Module):
     """
 
     def __init__(
-        self, *, chunk_size: int | None = None, group: ProcessGroup | None = None, reduction: Reduction = "mean"
+        self,
+        *,
+        chunk_size: int | None = None,
+        group: ProcessGroup | None = None,
+        reduction: Reduction = "mean",
+        communication: Communication = "gather",
     ) -> None:
         super().__init__()
         self.chunk_size = check_chunk_size(chunk_size)
         self.group = group
         self.reduction = check_reduction(reduction, None)
+        self.communication = check_communication(communication)
 
     def forward(
         self,
@@ -245,8 +268,10 @@ class SigLIPLoss(nn.Module):
             sizes=sizes,
             weight=weight,
             reduction=self.reduction,
+            communication=self.communication,
         )
 
     def extra_repr(self) -> str:
         """Show the options in ``repr``."""
         return f"chunk_size={self.chunk_size}, reduction={self.reduction!r}"
+        return f"chunk_size={self.chunk_size}, communication={self.communication!r}"

@@ -20,6 +20,7 @@ from contrastive_dist.losses._checks import (
 from contrastive_dist.losses._chunked import Targets, cross_entropy, full_precision, upcast
 from contrastive_dist.losses._module import TemperatureLoss
 from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight
+from contrastive_dist.losses._ring_losses import Communication, check_ring_options, ring_checks, ring_supcon
 
 __all__ = ["SupConLoss", "supcon"]
 
@@ -35,6 +36,7 @@ def supcon(
     sizes: Sequence[int] | None = None,
     weight: Tensor | None = None,
     reduction: Reduction = "mean",
+    communication: Communication = "gather",
 ) -> Tensor:
     """SupCon (``L_out``, all views as anchors) over the global batch; exact under data parallelism.
 
@@ -76,6 +78,10 @@ def supcon(
         sizes: every rank's batch size ``n_r``, if known (skips the size exchange).
         weight: one weight ≥ 0 per local sample (no gradient); see above.
         reduction: ``"mean"`` (this rank's share of the global mean) or ``"none"`` (per-anchor losses).
+        communication: ``"gather"`` gathers every rank's embeddings and labels onto every rank
+            (memory ``O(N·V·D + chunk·N·V)``); ``"ring"`` passes blocks of them round the ring
+            instead (memory ``O(n_r·V·D + chunk·max_r n_r·V)``, independent of the number of ranks;
+            the anchor count takes one scalar all-reduce); same result.
 
     Returns:
         ``"mean"``: a scalar, this rank's share of the global loss; ``"none"``: this rank's
@@ -100,13 +106,16 @@ def supcon(
         torch.Size([6, 2])
 
     """
-    with validated_on_all_ranks((features, labels), group=group, sizes=sizes):
+    with validated_on_all_ranks((features, labels), group=group, sizes=ring_checks(communication, sizes)):
         features = check_features("features", features, ndims=(2, 3))
         _check_labels(labels, features.shape[0])
         scale = resolve_scale(logit_scale, check_temperature(temperature), features)
         chunk_size = check_chunk_size(chunk_size)
         reduction = check_reduction(reduction, weight)
         weights = check_weight(weight, features.shape[0], features)
+        communication = check_ring_options(communication, weight=weight, reduction=reduction)
+    if communication == "ring":
+        return ring_supcon(features, labels, scale, chunk_size=chunk_size, group=group, sizes=sizes)
     own = (features, labels) + (() if weights is None else (weights,))
     gathered = all_gather_many(own, group=group, sizes=sizes)
     all_features, all_labels = gathered.tensors[:2]
@@ -158,6 +167,8 @@ class SupConLoss(TemperatureLoss):
         chunk_size: anchors per block (bounded memory, same result); ``None``: all at once.
         group: the process group (default: the world).
         reduction: ``"mean"`` or ``"none"`` (per-anchor losses; the caller normalises).
+        communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
+            ranks); see :func:`supcon`.
 
     Shape:
         features: ``(n_r, D)`` or ``(n_r, V, D)``; labels, weight: ``(n_r,)``; logit_scale: ``()``;
@@ -180,8 +191,15 @@ class SupConLoss(TemperatureLoss):
         chunk_size: int | None = None,
         group: ProcessGroup | None = None,
         reduction: Reduction = "mean",
+        communication: Communication = "gather",
     ) -> None:
-        super().__init__(temperature=temperature, chunk_size=chunk_size, group=group, reduction=reduction)
+        super().__init__(
+            temperature=temperature,
+            chunk_size=chunk_size,
+            group=group,
+            reduction=reduction,
+            communication=communication,
+        )
 
     def forward(
         self,
@@ -203,4 +221,5 @@ class SupConLoss(TemperatureLoss):
             sizes=sizes,
             weight=weight,
             reduction=self.reduction,
+            communication=self.communication,
         )

@@ -1,0 +1,148 @@
+"""Point-to-point transport of the ring mode: blocks travel round the ring, one hop per step.
+
+Rank ``r`` sends to ``r − 1`` and receives from ``r + 1`` (ranks of ``group``), so at step ``k``
+it holds the block of rank ``(r + k) mod W``; after ``W − 1`` hops it has seen every block.
+
+:func:`circulate` runs one pass and, optionally, an **accumulator** per block that collects
+every rank's contribution and comes home to the block's owner: the owner starts it, it follows
+its block one hop behind and each rank adds into it in place, so a step holds one accumulator
+whatever ``W`` (``W`` hops; the block itself needs ``W − 1``).
+
+What makes it safe and fast (each point a hang or a stall seen otherwise):
+
+* every send and receive of a step is posted in one ``batch_isend_irecv`` *before* computing on
+  the current block, so the next block is on its way while this one is used (overlap), and
+  NCCL, whose sends block until matched, sees all of a step's operations as one group; only
+  the accumulator, added into in place, is waited for before computing (memory over overlap);
+* each message gets a fresh buffer and every operation is waited on before its buffer is
+  reused or returned;
+* sizes are known to every rank up front, so an empty block (a rank with no rows) is skipped
+  on both ends of a link identically; an empty rank still forwards what passes through it;
+* messages between two ranks are posted in the same order on both ends (NCCL matches by order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+__all__ = ["Ring", "circulate"]
+
+Block = tuple[Tensor, ...]
+
+
+class _Pending:
+    """The works of one ``batch_isend_irecv``; :meth:`wait` before touching their buffers."""
+
+    def __init__(self, works: list[dist.Work], buffers: Sequence[Tensor]) -> None:
+        self._works = works
+        self._buffers = buffers  # alive until waited on, whatever the caller drops
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works, self._buffers = [], ()
+
+
+@dataclass(frozen=True)
+class Ring:
+    """One rank's place in the ring of ``group``: who it sends to and receives from.
+
+    Attributes:
+        rank: this process's rank in ``group``.
+        world_size: the number of ranks ``W``.
+        sizes: every rank's number of rows ``n_r`` (known to all: empty blocks are skipped on both ends).
+        group: the process group (``None``: the world).
+    """
+
+    rank: int
+    world_size: int
+    sizes: tuple[int, ...]
+    group: ProcessGroup | None = None
+
+    def owner(self, step: int) -> int:
+        """The rank whose block this rank holds at ``step``."""
+        return (self.rank + step) % self.world_size
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def shift(self, outgoing: Sequence[Tensor], incoming: Sequence[Tensor]) -> _Pending:
+        """Post sends of ``outgoing`` to the previous rank and receives into ``incoming`` from the next.
+
+        Empty tensors are skipped (the other end, knowing the sizes, skips them too). Tags number
+        the messages of one call so that gloo matches them like NCCL does, by order.
+        """
+        previous, following = (
+            self._global((self.rank - 1) % self.world_size),
+            self._global((self.rank + 1) % self.world_size),
+        )
+        ops = [
+            dist.P2POp(dist.isend, tensor, previous, self.group, tag)
+            for tag, tensor in enumerate(outgoing)
+            if tensor.numel()
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, tensor, following, self.group, tag)
+            for tag, tensor in enumerate(incoming)
+            if tensor.numel()
+        ]
+        return _Pending(dist.batch_isend_irecv(ops) if ops else [], (*outgoing, *incoming))
+
+
+def circulate(
+    ring: Ring,
+    own_block: Block,
+    new_block: Callable[[int], Block],
+    visit: Callable[[int, Block, Tensor | None], None],
+    *,
+    new_accumulator: Callable[[int], Tensor] | None = None,
+) -> Tensor | None:
+    """Pass every rank's block round the ring and call ``visit(owner, block, accumulator)`` on each.
+
+    Args:
+        ring: this rank's place in the ring.
+        own_block: this rank's travelling tensors (contiguous); visited first.
+        new_block: ``new_block(owner)`` allocates receive buffers shaped like ``owner``'s block.
+        visit: computes on one block and adds this rank's contribution into ``accumulator``, in
+            place (``None`` when no accumulator travels).
+        new_accumulator: ``new_accumulator(owner)`` returns ``owner``'s accumulator, initialised
+            (zeros for a sum, ``-inf`` for a log-sum-exp); ``None``: no accumulator travels.
+
+    Returns:
+        The accumulator of this rank's own block, with every rank's contribution (``None``
+        without accumulator).
+    """
+    block, accumulator = own_block, None
+    incoming: Tensor | None = None
+    accumulator_transfer: _Pending | None = None
+    for step in range(ring.world_size):
+        last = step == ring.world_size - 1
+        if not last:
+            # The next block is on its way while this one is used.
+            next_block = new_block(ring.owner(step + 1))
+            block_transfer = ring.shift(block, next_block)
+        if new_accumulator is not None:
+            if accumulator_transfer is None:  # the owner starts its block's accumulator
+                accumulator = new_accumulator(ring.owner(step))
+            else:
+                # Added into in place: a step holds one accumulator, not a fresh part besides it.
+                accumulator_transfer.wait()
+                accumulator = incoming
+        visit(ring.owner(step), block, accumulator)
+        if accumulator is not None and ring.world_size > 1:
+            # It follows its block one hop behind; after the last step it reaches the owner.
+            incoming = new_accumulator(ring.owner(step + 1))  # type: ignore[misc]
+            accumulator_transfer = ring.shift((accumulator,), (incoming,))
+            accumulator = None  # only the transfer holds it now
+        if not last:
+            block_transfer.wait()
+            block = next_block
+    if accumulator_transfer is None:  # one rank, or no accumulator
+        return accumulator
+    accumulator_transfer.wait()
+    return incoming
