@@ -17,6 +17,13 @@ On gloo the broadcasts measured 1.2-1.6x faster than ``all_gather_single`` (and 
 than an uneven all-to-all, which must repeat the local rows once per peer), and the
 all-to-all backward 1.7-2x faster than ``reduce_scatter_single``.
 
+**Forcing the accelerator routes on CPU.** With the environment variable
+``CONTRASTIVE_DIST_ROUTE=collective``, CPU tensors take the accelerator routes too (gloo runs
+``all_gather_single`` on equal sizes, ``reduce_scatter_single`` and uneven ``all_to_all_single``),
+so the routes a GPU user gets run in the test suite on CPU. It is read each time a collective
+runs, so a process can switch per call; unset or ``auto`` chooses by device as above. Every
+rank of a group must see the same value (the routes do not interoperate).
+
 The collective names changed in torch 2.13 (``all_gather_into_tensor`` → ``all_gather_single``,
 ``reduce_scatter_tensor`` → ``reduce_scatter_single``); the installed torch's own names are
 used so that no deprecation warning is raised.
@@ -24,6 +31,7 @@ used so that no deprecation warning is raised.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -31,7 +39,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-__all__ = ["all_gather_single", "gather_rows", "gather_rows_with_status", "reduce_scatter_rows"]
+__all__ = ["ROUTE_VARIABLE", "all_gather_single", "gather_rows", "gather_rows_with_status", "reduce_scatter_rows"]
+
+ROUTE_VARIABLE = "CONTRASTIVE_DIST_ROUTE"
+"""Environment variable: ``collective`` forces the accelerator routes for CPU tensors; ``auto`` / unset: by device."""
+_ROUTES = ("auto", "collective")
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -50,8 +62,16 @@ def _on_accelerator(x: Tensor) -> bool:
 
     Decided by the tensor, not the backend name: a group created as ``"cpu:gloo,cuda:nccl"``
     serves both, and the device tells which of its backends runs the collective.
+    ``CONTRASTIVE_DIST_ROUTE=collective`` sends CPU tensors the accelerator way too.
     """
-    return x.device.type != "cpu"
+    return x.device.type != "cpu" or _forced_route() == "collective"
+
+
+def _forced_route() -> str:
+    route = os.environ.get(ROUTE_VARIABLE, "") or "auto"
+    if route not in _ROUTES:
+        raise ValueError(f"{ROUTE_VARIABLE} must be one of {_ROUTES} (or unset), got {route!r}")
+    return route
 
 
 def _global_rank(group: ProcessGroup | None, rank: int) -> int:
@@ -67,7 +87,9 @@ def gather_rows(x: Tensor, sizes: Sequence[int], rank: int, group: ProcessGroup 
     world_size = len(sizes)
     wire = _to_wire(x)
     out = wire.new_empty((sum(sizes), *x.shape[1:]))
-    if _on_accelerator(x):
+    if sum(sizes) == 0:
+        pass  # nothing to move, and every rank knows it: no collective on any route
+    elif _on_accelerator(x):
         if min(sizes) == max(sizes):
             all_gather_single(out, wire, group=group)
         else:
@@ -157,6 +179,8 @@ def reduce_scatter_rows(grad: Tensor, sizes: Sequence[int], rank: int, group: Pr
     world_size = len(sizes)
     grad = grad.contiguous()
     local = sizes[rank]
+    if sum(sizes) == 0:
+        return grad.new_zeros((0, *grad.shape[1:]))  # every rank skips the collective alike
     if min(sizes) == max(sizes) and _on_accelerator(grad):
         out = grad.new_empty((local, *grad.shape[1:]))
         _reduce_scatter_single(out, grad, group=group)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
+from routes import ROUTES, on_route
 
 from contrastive_dist import all_gather, all_gather_many
 
@@ -182,33 +184,86 @@ def raise_bad_input(rank: int, world_size: int, kind: str) -> None:
     all_gather(x, 5 if (kind == "dim_range" and bad) else 0, sizes=sizes)
 
 
+def count_transport_calls(rank: int, world_size: int) -> dict[str, int]:
+    """Which raw collectives the transport runs for even, uneven and empty shards, with and without sizes=."""
+    from contrastive_dist import _wire
+
+    calls: Counter[str] = Counter()
+    names = {"broadcast": _wire.dist, "all_to_all_single": _wire.dist}
+    originals = {name: getattr(module, name) for name, module in names.items()}
+    originals["all_gather_single"] = _wire.all_gather_single
+    originals["_reduce_scatter_single"] = _wire._reduce_scatter_single
+
+    def counting(name: str):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    try:
+        for name, module in names.items():
+            setattr(module, name, counting(name))
+        _wire.all_gather_single = counting("all_gather_single")
+        _wire._reduce_scatter_single = counting("_reduce_scatter_single")
+        for sizes in ((2, 2), (3, 0)):
+            for given in (None, sizes):
+                x = torch.randn(sizes[rank], 3, requires_grad=True)
+                all_gather(x, sizes=given).tensor.sum().backward()
+    finally:
+        for name, module in names.items():
+            setattr(module, name, originals[name])
+        _wire.all_gather_single = originals["all_gather_single"]
+        _wire._reduce_scatter_single = originals["_reduce_scatter_single"]
+    return dict(calls)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_the_route_switch_chooses_the_collectives(pool, route):
+    calls = pool(2).run(on_route, route, count_transport_calls)[0]
+    if route == "auto":  # CPU: broadcasts forward, all-to-all backward, nothing else
+        assert set(calls) == {"broadcast", "all_to_all_single"}, calls
+    else:  # the accelerator routes: each single collective on even sizes, all-to-all on uneven ones
+        assert set(calls) == {"all_gather_single", "_reduce_scatter_single", "all_to_all_single"}, calls
+
+
+def test_an_unknown_route_is_rejected(pool):
+    errors = pool(2).run(on_route, "nccl", gather_after_errors, return_exceptions=True, timeout=20)
+    assert all(isinstance(error, ValueError) and "CONTRASTIVE_DIST_ROUTE" in str(error) for error in errors), errors
+
+
 def gather_after_errors(rank: int, world_size: int) -> list[int]:
     return all_gather(torch.tensor([rank])).tensor.tolist()
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_values_and_gradients_match_single_process(pool, world_size):
-    assert pool(world_size).run(check_values_and_grads) == [[]] * world_size
+def test_values_and_gradients_match_single_process(pool, world_size, route):
+    assert pool(world_size).run(on_route, route, check_values_and_grads) == [[]] * world_size
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_closed_form_gradient_for_every_float_dtype(pool, world_size):
-    assert pool(world_size).run(check_closed_form) == [[]] * world_size
+def test_closed_form_gradient_for_every_float_dtype(pool, world_size, route):
+    assert pool(world_size).run(on_route, route, check_closed_form) == [[]] * world_size
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_integers_bools_views_and_several_tensors(pool, world_size):
-    assert pool(world_size).run(check_other_inputs) == [[]] * world_size
+def test_integers_bools_views_and_several_tensors(pool, world_size, route):
+    assert pool(world_size).run(on_route, route, check_other_inputs) == [[]] * world_size
 
 
-def test_subgroup_of_a_four_process_world(pool):
-    assert pool(4).run(check_subgroup) == [[]] * 4
+@pytest.mark.parametrize("route", ROUTES)
+def test_subgroup_of_a_four_process_world(pool, route):
+    assert pool(4).run(on_route, route, check_subgroup) == [[]] * 4
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("kind", BAD_INPUTS)
-def test_bad_input_raises_the_same_clear_error_on_every_rank(pool, kind):
+def test_bad_input_raises_the_same_clear_error_on_every_rank(pool, kind, route):
     workers = pool(3)
-    errors = workers.run(raise_bad_input, kind, return_exceptions=True, timeout=20)
+    errors = workers.run(on_route, route, raise_bad_input, kind, return_exceptions=True, timeout=20)
     assert all(isinstance(error, (ValueError, TypeError)) for error in errors), errors
     if kind != "sizes_length":
         assert len({str(error) for error in errors}) == 1, "ranks disagree on the message"

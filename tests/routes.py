@@ -1,0 +1,30 @@
+"""Run a worker function under one transport route of ``contrastive_dist._wire``.
+
+``auto`` is what CPU tensors get (broadcasts forward, all-to-all backward); ``collective``
+forces the accelerator routes (``all_gather_single`` / ``reduce_scatter_single`` on equal
+sizes, ``all_to_all_single`` on uneven ones, the framed status gather) through
+``CONTRASTIVE_DIST_ROUTE``, which the transport reads at every collective.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from contrastive_dist._wire import ROUTE_VARIABLE
+
+ROUTES = ("auto", "collective")
+
+
+def on_route(rank: int, world_size: int, route: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(rank, world_size, *args)`` with ``CONTRASTIVE_DIST_ROUTE=route`` in this process, then restore it."""
+    previous = os.environ.get(ROUTE_VARIABLE)
+    os.environ[ROUTE_VARIABLE] = route
+    try:
+        return fn(rank, world_size, *args)
+    finally:
+        if previous is None:
+            del os.environ[ROUTE_VARIABLE]
+        else:
+            os.environ[ROUTE_VARIABLE] = previous
