@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -100,18 +101,37 @@ def supcon(
         keys = upcast(all_features.reshape(-1, dim))
         queries = upcast(features.reshape(-1, dim))
         local_positives = positives_per_key[first_local_key : first_local_key + queries.shape[0]]
-        anchor_rows = torch.nonzero(local_positives > 0).flatten()
+        if torch.compiler.is_compiling():
+            anchor_rows, queries, without_positives = _every_row_an_anchor(queries, local_positives, keys.shape[0])
+        else:
+            anchor_rows, without_positives = torch.nonzero(local_positives > 0).flatten(), None
         anchor_keys = anchor_rows + first_local_key
         class_sums = keys.new_zeros(classes.numel(), dim).index_add(0, key_class, keys)
         # Σ_{p ∈ P(a)} f_p = (sum of the anchor's class) − f_a; dividing by |P(a)| makes it a mean.
         positive_sums = class_sums[key_class[anchor_keys]] - keys[anchor_keys]
-        positive_means = positive_sums / local_positives[anchor_rows, None].to(keys.dtype)
+        positive_means = positive_sums / local_positives[anchor_rows, None].clamp(min=1).to(keys.dtype)
         loss_sum = local_cross_entropy_sum(
             queries[anchor_rows], keys, scale, positive_means, excluded=anchor_keys, chunk_size=chunk_size
         )
+        if without_positives is not None:
+            loss_sum = loss_sum - without_positives
         # W / A as a tensor (no host sync), in the core's dtype (A is exact there, unlike in
         # bf16 above 256); A = 0 means no rank has an anchor and loss_sum is 0.
         return loss_sum * (get_world_size(group) / anchors_with_positives.clamp(min=1).to(loss_sum.dtype))
+
+
+def _every_row_an_anchor(queries: Tensor, local_positives: Tensor, keys: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Anchors for ``torch.compile``: every local row, so no shape depends on the labels.
+
+    A row without positives gets a zero query: its term is ``log(K − 1)`` (``K − 1`` equal logits)
+    with zero gradient everywhere, and that constant is returned to be taken off the sum. With
+    ``K ≤ 1`` no row has a candidate (nor a positive) and there are no anchors.
+    """
+    has_positives = local_positives > 0
+    rows = queries.shape[0] if keys > 1 else 0
+    # In the queries' dtype before multiplying: an integer count times a float would round to float32.
+    constant = (~has_positives[:rows]).sum().to(queries.dtype) * math.log(max(keys - 1, 1))
+    return torch.arange(rows, device=queries.device), queries * has_positives[:, None], constant
 
 
 def _check_labels(labels: object, batch_size: int) -> None:
