@@ -31,6 +31,7 @@ used so that no deprecation warning is raised.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
@@ -87,8 +88,8 @@ def gather_rows(x: Tensor, sizes: Sequence[int], rank: int, group: ProcessGroup 
     world_size = len(sizes)
     wire = _to_wire(x)
     out = wire.new_empty((sum(sizes), *x.shape[1:]))
-    if sum(sizes) == 0:
-        pass  # nothing to move, and every rank knows it: no collective on any route
+    if out.numel() == 0:
+        pass  # nothing to move (no rows, or rows of zero width), as every rank knows: no collective
     elif _on_accelerator(x):
         if min(sizes) == max(sizes):
             all_gather_single(out, wire, group=group)
@@ -131,6 +132,10 @@ def gather_rows_with_status(
     rest = x.shape[1:]
     ok = status != STATUS_BAD_ROWS
     payload = _to_wire(x) if ok else _to_wire(x.new_zeros((sizes[rank], *rest)))
+    if math.prod(rest) == 0:
+        # Rows of zero width cannot carry a status, and there is no data to move: one small
+        # exchange of the statuses alone, so a wrong row count or autograd mismatch still shows.
+        return x.new_empty((sum(sizes), *rest)), _gather_statuses(status, len(sizes), x.device, group)
     if _on_accelerator(x):
         return _gather_framed(payload, x.dtype, sizes, rank, group, status)
     # gloo: rank r broadcasts its rows plus one status row into out[start_r : start_r + n_r + 1].
@@ -150,6 +155,13 @@ def gather_rows_with_status(
         start += size
     data = out[:-1]
     return (data.view(x.dtype) if data.dtype != x.dtype else data), statuses
+
+
+def _gather_statuses(status: int, world_size: int, device: torch.device, group: ProcessGroup | None) -> list[int]:
+    mine = torch.tensor([status], dtype=torch.int64, device=device)
+    everyone = mine.new_empty(world_size)
+    all_gather_single(everyone, mine, group=group)
+    return [int(value) for value in everyone.tolist()]
 
 
 def _gather_framed(
@@ -179,8 +191,8 @@ def reduce_scatter_rows(grad: Tensor, sizes: Sequence[int], rank: int, group: Pr
     world_size = len(sizes)
     grad = grad.contiguous()
     local = sizes[rank]
-    if sum(sizes) == 0:
-        return grad.new_zeros((0, *grad.shape[1:]))  # every rank skips the collective alike
+    if grad.numel() == 0:  # no rows, or rows of zero width: every rank skips the collective alike
+        return grad.new_zeros((local, *grad.shape[1:]))
     if min(sizes) == max(sizes) and _on_accelerator(grad):
         out = grad.new_empty((local, *grad.shape[1:]))
         _reduce_scatter_single(out, grad, group=group)

@@ -106,6 +106,12 @@ def check_other_inputs(rank: int, world_size: int) -> list[str]:
         failures.append("non-contiguous gather")
     if all_gather(view).tensor.requires_grad:
         failures.append("input without grad produced an output requiring grad")
+    for given in (None, sizes):  # rows of zero width: nothing moves, shapes and autograd still right
+        no_width = torch.randn(sizes[rank], 0, requires_grad=True)
+        gathered_empty = all_gather(no_width, sizes=given).tensor
+        gathered_empty.sum().backward()
+        if gathered_empty.shape != (sum(sizes), 0) or no_width.grad is None or no_width.grad.shape != no_width.shape:
+            failures.append(f"zero-width gather (sizes given: {given is not None}): {tuple(gathered_empty.shape)}")
     image = torch.randn(sizes[rank], 5, dtype=torch.float64, requires_grad=True)
     text = torch.randn(sizes[rank], 2, 3, dtype=torch.float64, requires_grad=True)
     many = all_gather_many((image, text, ids))
@@ -152,13 +158,18 @@ BAD_INPUTS = [
     "grad_mismatch",
     "grad_mismatch_sizes",
     "many_sizes_mismatch",
+    "zero_width_sizes_mismatch",
+    "zero_width_grad_mismatch_sizes",
 ]
 
 
 def raise_bad_input(rank: int, world_size: int, kind: str) -> None:
     """Rank 1 passes something that disagrees with the others."""
     bad = rank == 1
-    x = torch.randn(2, 3)
+    width = 3
+    if kind.startswith("zero_width_"):  # rows of shape (0,): no data moves, yet the check must happen
+        kind, width = kind.removeprefix("zero_width_"), 0
+    x = torch.randn(2, width)
     sizes = None
     if kind == "trailing" and bad:
         x = torch.randn(2, 4)
@@ -170,7 +181,7 @@ def raise_bad_input(rank: int, world_size: int, kind: str) -> None:
         x = [[1.0, 2.0, 3.0]]  # type: ignore[assignment]
     elif kind == "sizes_mismatch":
         sizes = [2] * world_size
-        x = torch.randn(3 if bad else 2, 3)
+        x = torch.randn(3 if bad else 2, width)
     elif kind == "sizes_length":
         sizes = [2] * (world_size + 1)
     elif kind.startswith("grad_mismatch"):
@@ -268,8 +279,10 @@ def test_bad_input_raises_the_same_clear_error_on_every_rank(pool, kind, route):
     if kind != "sizes_length":
         assert len({str(error) for error in errors}) == 1, "ranks disagree on the message"
         assert "rank 1" in str(errors[0])
-    if kind.startswith("grad_mismatch"):
+    if "grad_mismatch" in kind:
         assert "autograd" in str(errors[0]) and "requires_grad" in str(errors[0])
+    if "sizes_mismatch" in kind:
+        assert "sizes[1]=2 was given, but the input has 3 rows" in str(errors[0])
     # Nothing was poisoned: the group still works.
     assert workers.run(gather_after_errors) == [[0, 1, 2]] * 3
 
