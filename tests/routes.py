@@ -1,4 +1,4 @@
-"""Run a worker function under one transport route of ``contrastive_dist._wire``.
+"""Run a worker function under one transport route of ``contrastive_dist._wire``, or another setting.
 
 ``auto`` is what CPU tensors get (broadcasts forward, all-to-all backward); ``collective``
 forces the accelerator routes (``all_gather_single`` / ``reduce_scatter_single`` on equal
@@ -17,14 +17,19 @@ from contrastive_dist._wire import ROUTE_VARIABLE
 ROUTES = ("auto", "collective")
 
 
-def on_route(rank: int, world_size: int, route: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(rank, world_size, *args)`` with ``CONTRASTIVE_DIST_ROUTE=route`` in this process, then restore it."""
-    previous = os.environ.get(ROUTE_VARIABLE)
-    os.environ[ROUTE_VARIABLE] = route
+def with_variable(rank: int, world_size: int, name: str, value: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(rank, world_size, *args)`` with the environment variable ``name=value`` in this process, then restore it."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
     try:
         return fn(rank, world_size, *args)
     finally:
         if previous is None:
-            del os.environ[ROUTE_VARIABLE]
+            del os.environ[name]
         else:
-            os.environ[ROUTE_VARIABLE] = previous
+            os.environ[name] = previous
+
+
+def on_route(rank: int, world_size: int, route: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(rank, world_size, *args)`` with ``CONTRASTIVE_DIST_ROUTE=route``."""
+    return with_variable(rank, world_size, ROUTE_VARIABLE, route, fn, *args)

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-from routes import ROUTES, on_route
+from routes import ROUTES, on_route, with_variable
 
 from contrastive_dist import all_gather, all_gather_many
 
@@ -241,6 +241,51 @@ def test_the_route_switch_chooses_the_collectives(pool, route):
 def test_an_unknown_route_is_rejected(pool):
     errors = pool(2).run(on_route, "nccl", gather_after_errors, return_exceptions=True, timeout=20)
     assert all(isinstance(error, ValueError) and "CONTRASTIVE_DIST_ROUTE" in str(error) for error in errors), errors
+
+
+SIZES_VIOLATIONS = ["differing", "some_ranks_only", "wrong_rows", "loss_input_with_sizes"]
+
+
+def violate_sizes(rank: int, world_size: int, kind: str) -> None:
+    """Rank 1 breaks the sizes= contract; without the debug switch gloo aborts or hangs here."""
+    bad = rank == 1
+    sizes: list[int] | None = [2] * world_size
+    x = torch.randn(2, 3, requires_grad=True)
+    if kind == "differing" and bad:
+        sizes = [2, 2, 3]
+    elif kind == "some_ranks_only" and bad:
+        sizes = None
+    elif kind == "wrong_rows" and bad:
+        x = torch.randn(3, 3, requires_grad=True)
+    elif kind == "loss_input_with_sizes":
+        from contrastive_dist import info_nce
+
+        info_nce(x, x[:, :2] if bad else x, sizes=sizes)  # rank 1 fails its own checks, before any gather
+        return
+    all_gather(x, sizes=sizes).tensor.sum().backward()
+
+
+@pytest.mark.parametrize("kind", SIZES_VIOLATIONS)
+def test_debug_switch_turns_a_sizes_violation_into_one_clear_error_on_every_rank(pool, kind):
+    workers = pool(3)
+    errors = workers.run(
+        with_variable, "CONTRASTIVE_DIST_DEBUG", "1", violate_sizes, kind, return_exceptions=True, timeout=20
+    )
+    assert all(isinstance(error, ValueError) for error in errors), errors
+    assert len({str(error) for error in errors}) == 1, "ranks disagree on the message"
+    message = str(errors[0])
+    assert "rank 1" in message, message
+    if kind == "differing":
+        assert "CONTRASTIVE_DIST_DEBUG=1" in message and "sizes=(2, 2, 3)" in message, message
+    elif kind == "some_ranks_only":
+        assert "CONTRASTIVE_DIST_DEBUG=1" in message and "no sizes=" in message, message
+    elif kind == "wrong_rows":
+        assert "float32 (3, 3)" in message, message
+    assert workers.run(gather_after_errors) == [[0, 1, 2]] * 3
+
+
+def test_debug_switch_keeps_correct_gathers_exact(pool):
+    assert pool(3).run(with_variable, "CONTRASTIVE_DIST_DEBUG", "1", check_values_and_grads) == [[]] * 3
 
 
 def gather_after_errors(rank: int, world_size: int) -> list[int]:
