@@ -37,6 +37,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from einops import reduce, repeat
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -94,7 +95,8 @@ def gather_rows(x: Tensor, sizes: Sequence[int], rank: int, group: ProcessGroup 
         if min(sizes) == max(sizes):
             all_gather_single(out, wire, group=group)
         else:
-            send = wire.repeat(world_size, *([1] * (wire.ndim - 1)))  # the same rows for every peer
+            # The same rows for every peer; contiguous, since for one row einops returns a stride-0 view.
+            send = repeat(wire, "n ... -> (peer n) ...", peer=world_size).contiguous()
             dist.all_to_all_single(
                 out, send, output_split_sizes=list(sizes), input_split_sizes=[sizes[rank]] * world_size, group=group
             )
@@ -201,4 +203,4 @@ def reduce_scatter_rows(grad: Tensor, sizes: Sequence[int], rank: int, group: Pr
     dist.all_to_all_single(
         received, grad, output_split_sizes=[local] * world_size, input_split_sizes=list(sizes), group=group
     )
-    return received.view(world_size, local, *grad.shape[1:]).sum(0)
+    return reduce(received, "(peer n) ... -> n ...", "sum", peer=world_size)

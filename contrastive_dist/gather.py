@@ -16,11 +16,11 @@ error on every rank instead of hanging or aborting the transport. Pass ``sizes=`
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple, NoReturn
 
 import torch
+from einops import rearrange, unpack
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -291,18 +291,18 @@ def _indices_by_dtype(rows: list[Tensor]) -> list[list[int]]:
 
 
 def _pack(members: list[Tensor]) -> Tensor:
-    """One ``(n, Σ row_numel)`` buffer for tensors of one dtype (the tensor itself if alone)."""
+    """One ``(n, Σ row_numel)`` buffer for tensors of one dtype (the tensor itself if alone).
+
+    Not ``einops.pack``: it flattens with a ``-1``, which torch cannot resolve for an empty
+    rank's ``(0, ...)`` rows; naming the flattened axes always works.
+    """
     if len(members) == 1:
         return members[0]
-    return torch.cat([member.reshape(member.shape[0], math.prod(member.shape[1:])) for member in members], dim=1)
+    return torch.cat([rearrange(member, "n ... -> n (...)") for member in members], dim=1)
 
 
 def _unpack(gathered: Tensor, members: list[Tensor]) -> list[Tensor]:
     """Inverse of :func:`_pack` on the gathered rows (views, no copy)."""
     if len(members) == 1:
         return [gathered]
-    widths = [math.prod(member.shape[1:]) for member in members]
-    return [
-        column_block.reshape(gathered.shape[0], *member.shape[1:])
-        for column_block, member in zip(gathered.split(widths, dim=1), members)
-    ]
+    return unpack(gathered, [member.shape[1:] for member in members], "n *")

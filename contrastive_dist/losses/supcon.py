@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+from einops import rearrange
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -98,8 +99,8 @@ def supcon(
     with full_precision(features.device):
         # One row per embedding, sample-major: the embedding (sample s, view v) is row s·V + v.
         # In the core's dtype from here on: the class sums add up many embeddings.
-        keys = upcast(all_features.reshape(-1, dim))
-        queries = upcast(features.reshape(-1, dim))
+        keys = upcast(rearrange(all_features, "n ... d -> (n ...) d"))
+        queries = upcast(rearrange(features, "n ... d -> (n ...) d"))
         local_positives = positives_per_key[first_local_key : first_local_key + queries.shape[0]]
         if torch.compiler.is_compiling():
             anchor_rows, queries, without_positives = _every_row_an_anchor(queries, local_positives, keys.shape[0])
