@@ -284,6 +284,17 @@ def test_debug_switch_turns_a_sizes_violation_into_one_clear_error_on_every_rank
     assert workers.run(gather_after_errors) == [[0, 1, 2]] * 3
 
 
+def gather_with_sizes(rank: int, world_size: int) -> list[int]:
+    return all_gather(torch.tensor([rank]), sizes=[1] * world_size).tensor.tolist()
+
+
+def test_an_unknown_debug_value_is_rejected(pool):
+    errors = pool(2).run(
+        with_variable, "CONTRASTIVE_DIST_DEBUG", "yes", gather_with_sizes, return_exceptions=True, timeout=20
+    )
+    assert all(isinstance(error, ValueError) and "CONTRASTIVE_DIST_DEBUG" in str(error) for error in errors), errors
+
+
 def test_debug_switch_keeps_correct_gathers_exact(pool):
     assert pool(3).run(with_variable, "CONTRASTIVE_DIST_DEBUG", "1", check_values_and_grads) == [[]] * 3
 
