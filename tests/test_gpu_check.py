@@ -58,7 +58,7 @@ def test_sweep_table_and_csv_on_cpu(tmp_path: Path) -> None:
 
 
 def distributed_on_cpu(rank: int, world_size: int) -> list[dict[str, Any]]:
-    return _gpu_check().distributed_checks(rank, world_size, "cpu", 8, 16, 1)
+    return _gpu_check().distributed_checks(rank, world_size, "cpu", 8, 8, 16, 1)
 
 
 def test_distributed_checks_on_gloo(pool: Any) -> None:
