@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import cast
 
 import torch
+from einops import repeat
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -32,7 +33,8 @@ def gather_compiled(
             gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
             gathered = gather(rows, 0, process_group)
         else:
-            send = rows.repeat(world_size, *([1] * (rows.ndim - 1)))
+            # The same rows for every peer; contiguous, since for one row einops returns a stride-0 view.
+            send = repeat(rows, "n ... -> (peer n) ...", peer=world_size).contiguous()
             gathered = funcol.all_to_all_single_autograd(
                 send, list(sizes), [sizes[rank]] * world_size, process_group
             )

@@ -17,6 +17,13 @@ On gloo the broadcasts measured 1.2-1.6x faster than ``all_gather_single`` (and 
 than an uneven all-to-all, which must repeat the local rows once per peer), and the
 all-to-all backward 1.7-2x faster than ``reduce_scatter_single``.
 
+**Forcing the accelerator routes on CPU.** With the environment variable
+``CONTRASTIVE_DIST_ROUTE=collective``, CPU tensors take the accelerator routes too (gloo runs
+``all_gather_single`` on equal sizes, ``reduce_scatter_single`` and uneven ``all_to_all_single``),
+so the routes a GPU user gets run in the test suite on CPU. It is read each time a collective
+runs, so a process can switch per call; unset or ``auto`` chooses by device as above. Every
+rank of a group must see the same value (the routes do not interoperate).
+
 The collective names changed in torch 2.13 (``all_gather_into_tensor`` → ``all_gather_single``,
 ``reduce_scatter_tensor`` → ``reduce_scatter_single``); the installed torch's own names are
 used so that no deprecation warning is raised.
@@ -24,14 +31,21 @@ used so that no deprecation warning is raised.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from einops import reduce, repeat
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-__all__ = ["all_gather_single", "gather_rows", "gather_rows_with_status", "reduce_scatter_rows"]
+__all__ = ["ROUTE_VARIABLE", "all_gather_single", "gather_rows", "gather_rows_with_status", "reduce_scatter_rows"]
+
+ROUTE_VARIABLE = "CONTRASTIVE_DIST_ROUTE"
+"""Environment variable: ``collective`` forces the accelerator routes for CPU tensors; ``auto`` / unset: by device."""
+_ROUTES = ("auto", "collective")
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -50,8 +64,16 @@ def _on_accelerator(x: Tensor) -> bool:
 
     Decided by the tensor, not the backend name: a group created as ``"cpu:gloo,cuda:nccl"``
     serves both, and the device tells which of its backends runs the collective.
+    ``CONTRASTIVE_DIST_ROUTE=collective`` sends CPU tensors the accelerator way too.
     """
-    return x.device.type != "cpu"
+    return x.device.type != "cpu" or _forced_route() == "collective"
+
+
+def _forced_route() -> str:
+    route = os.environ.get(ROUTE_VARIABLE, "") or "auto"
+    if route not in _ROUTES:
+        raise ValueError(f"{ROUTE_VARIABLE} must be one of {_ROUTES} (or unset), got {route!r}")
+    return route
 
 
 def _global_rank(group: ProcessGroup | None, rank: int) -> int:
@@ -67,11 +89,14 @@ def gather_rows(x: Tensor, sizes: Sequence[int], rank: int, group: ProcessGroup 
     world_size = len(sizes)
     wire = _to_wire(x)
     out = wire.new_empty((sum(sizes), *x.shape[1:]))
-    if _on_accelerator(x):
+    if out.numel() == 0:
+        pass  # nothing to move (no rows, or rows of zero width), as every rank knows: no collective
+    elif _on_accelerator(x):
         if min(sizes) == max(sizes):
             all_gather_single(out, wire, group=group)
         else:
-            send = wire.repeat(world_size, *([1] * (wire.ndim - 1)))  # the same rows for every peer
+            # The same rows for every peer; contiguous, since for one row einops returns a stride-0 view.
+            send = repeat(wire, "n ... -> (peer n) ...", peer=world_size).contiguous()
             dist.all_to_all_single(
                 out, send, output_split_sizes=list(sizes), input_split_sizes=[sizes[rank]] * world_size, group=group
             )
@@ -109,6 +134,10 @@ def gather_rows_with_status(
     rest = x.shape[1:]
     ok = status != STATUS_BAD_ROWS
     payload = _to_wire(x) if ok else _to_wire(x.new_zeros((sizes[rank], *rest)))
+    if math.prod(rest) == 0:
+        # Rows of zero width cannot carry a status, and there is no data to move: one small
+        # exchange of the statuses alone, so a wrong row count or autograd mismatch still shows.
+        return x.new_empty((sum(sizes), *rest)), _gather_statuses(status, len(sizes), x.device, group)
     if _on_accelerator(x):
         return _gather_framed(payload, x.dtype, sizes, rank, group, status)
     # gloo: rank r broadcasts its rows plus one status row into out[start_r : start_r + n_r + 1].
@@ -128,6 +157,13 @@ def gather_rows_with_status(
         start += size
     data = out[:-1]
     return (data.view(x.dtype) if data.dtype != x.dtype else data), statuses
+
+
+def _gather_statuses(status: int, world_size: int, device: torch.device, group: ProcessGroup | None) -> list[int]:
+    mine = torch.tensor([status], dtype=torch.int64, device=device)
+    everyone = mine.new_empty(world_size)
+    all_gather_single(everyone, mine, group=group)
+    return [int(value) for value in everyone.tolist()]
 
 
 def _gather_framed(
@@ -157,6 +193,8 @@ def reduce_scatter_rows(grad: Tensor, sizes: Sequence[int], rank: int, group: Pr
     world_size = len(sizes)
     grad = grad.contiguous()
     local = sizes[rank]
+    if grad.numel() == 0:  # no rows, or rows of zero width: every rank skips the collective alike
+        return grad.new_zeros((local, *grad.shape[1:]))
     if min(sizes) == max(sizes) and _on_accelerator(grad):
         out = grad.new_empty((local, *grad.shape[1:]))
         _reduce_scatter_single(out, grad, group=group)
@@ -165,4 +203,4 @@ def reduce_scatter_rows(grad: Tensor, sizes: Sequence[int], rank: int, group: Pr
     dist.all_to_all_single(
         received, grad, output_split_sizes=[local] * world_size, input_split_sizes=list(sizes), group=group
     )
-    return received.view(world_size, local, *grad.shape[1:]).sum(0)
+    return reduce(received, "(peer n) ... -> n ...", "sum", peer=world_size)

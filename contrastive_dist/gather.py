@@ -16,15 +16,15 @@ error on every rank instead of hanging or aborting the transport. Pass ``sizes=`
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple, NoReturn
 
 import torch
+from einops import rearrange, unpack
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist._agreement import Problem, agree_on_sizes, local_problem, raise_disagreement
+from contrastive_dist._agreement import Problem, agree_on_sizes, debug_checks, local_problem, raise_disagreement
 from contrastive_dist._compiled import gather_compiled
 from contrastive_dist._dist import get_rank, get_world_size, start_offset
 from contrastive_dist._wire import (
@@ -121,7 +121,10 @@ def all_gather(
             known (e.g. from :class:`DistributedBatchSampler`). Skips the size exchange. Row
             counts and whether autograd tracks the input are still verified on every rank (they
             ride on the data transfers); dtype and trailing shape are *not* — they must match, as
-            promised. Required under ``torch.compile``, where nothing is verified.
+            promised. ``sizes=`` that differ between ranks, or are given on some ranks only, break
+            the contract: the transport aborts or hangs. ``CONTRASTIVE_DIST_DEBUG=1`` (on every
+            rank) verifies them with one extra small exchange and raises a clear error on every
+            rank instead. Required under ``torch.compile``, where nothing is verified.
 
     Returns:
         :class:`Gathered` ``(tensor, sizes, rank)``. Without an initialised process group, or
@@ -192,6 +195,12 @@ def all_gather_many(
         return GatheredMany(gathered, known_sizes, rank)
 
     known_sizes = tuple(sizes)
+    if debug_checks():
+        # CONTRASTIVE_DIST_DEBUG=1: the exchange the caller skipped, with the given sizes compared
+        # across ranks, so a contract violation raises here on every rank instead of in the transport.
+        agree_on_sizes(tensors, dim, problem, group, world_size, given=known_sizes)
+        gathered, _ = _gather_eager(tensors, dim, known_sizes, rank, group, check_rows=False)
+        return GatheredMany(gathered, known_sizes, rank)
     if problem is not None:
         # This rank cannot build a buffer of the promised shape; the others will time out
         # in their collective. (Validate inputs before promising sizes.)
@@ -219,13 +228,13 @@ def raise_on_all_ranks(
     inputs before its first gather: call this in place of ``raise error``. The other ranks are
     entering the gather's agreement exchange; this rank joins it with a problem flag, so all of
     them raise the same error, which names this rank's message. With ``sizes`` given there is no
-    exchange to join: the error is raised here only (and the other ranks wait for their
-    collective's timeout), so validate inputs before promising sizes.
+    exchange to join (unless ``CONTRASTIVE_DIST_DEBUG=1``): the error is raised here only (and
+    the other ranks wait for their collective's timeout), so validate inputs before promising sizes.
     """
     world_size = get_world_size(group)
-    if world_size == 1 or sizes is not None or torch.compiler.is_compiling():
+    if world_size == 1 or torch.compiler.is_compiling() or (sizes is not None and not debug_checks()):
         raise error
-    agree_on_sizes(tensors, 0, (type(error), str(error)), group, world_size)
+    agree_on_sizes(tensors, 0, (type(error), str(error)), group, world_size, given=sizes)
     raise error  # not reached: agree_on_sizes raises on every rank when any rank has a problem
 
 
@@ -282,18 +291,18 @@ def _indices_by_dtype(rows: list[Tensor]) -> list[list[int]]:
 
 
 def _pack(members: list[Tensor]) -> Tensor:
-    """One ``(n, Σ row_numel)`` buffer for tensors of one dtype (the tensor itself if alone)."""
+    """One ``(n, Σ row_numel)`` buffer for tensors of one dtype (the tensor itself if alone).
+
+    Not ``einops.pack``: it flattens with a ``-1``, which torch cannot resolve for an empty
+    rank's ``(0, ...)`` rows; naming the flattened axes always works.
+    """
     if len(members) == 1:
         return members[0]
-    return torch.cat([member.reshape(member.shape[0], math.prod(member.shape[1:])) for member in members], dim=1)
+    return torch.cat([rearrange(member, "n ... -> n (...)") for member in members], dim=1)
 
 
 def _unpack(gathered: Tensor, members: list[Tensor]) -> list[Tensor]:
     """Inverse of :func:`_pack` on the gathered rows (views, no copy)."""
     if len(members) == 1:
         return [gathered]
-    widths = [math.prod(member.shape[1:]) for member in members]
-    return [
-        column_block.reshape(gathered.shape[0], *member.shape[1:])
-        for column_block, member in zip(gathered.split(widths, dim=1), members)
-    ]
+    return unpack(gathered, [member.shape[1:] for member in members], "n *")

@@ -12,8 +12,12 @@ concurrent runs never race for a TCP port. Every call is bounded by ``timeout``:
 collective ends in :class:`TimeoutError` and the processes are killed. An exception in a
 child is raised again in the parent with the same type and the child's traceback attached.
 
-Functions and arguments cross a process boundary: they must be picklable, i.e. defined at
-module level in an importable module (not in ``__main__`` of an interactive session).
+Functions and arguments cross a process boundary: the spawned processes import ``fn`` by its
+qualified name, so it must be defined at module level in a module they can import — a ``.py``
+file, or the script being run — not in ``python -c``, ``python -`` (stdin) or an interactive
+session, and not a lambda or a nested function. Both entry points check this up front and
+raise a ``ValueError`` that says so, instead of a worker dying with the cause in its stderr.
+A script that starts processes must guard its entry point with ``if __name__ == "__main__":``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 import pickle
 import queue
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -31,7 +36,7 @@ from collections.abc import Callable
 from multiprocessing.context import SpawnProcess
 from typing import Any
 
-__all__ = ["RemoteError", "WorkerPool", "run_distributed"]
+__all__ = ["RemoteError", "WorkerPool", "check_importable", "run_distributed"]
 
 _STOP = "stop"
 _READY = b"ready"
@@ -103,6 +108,44 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
 
 
+def _main_file_missing() -> str | None:
+    """How ``__main__`` was run when spawned processes cannot re-run it (``python -``), else ``None``."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if path is not None and not os.path.isfile(path):
+        return f"a script read from {path}"
+    return None
+
+
+def check_importable(fn: Callable[..., Any]) -> None:
+    """Raise ``ValueError`` when spawned processes could not import ``fn`` by its qualified name.
+
+    Example:
+        >>> from contrastive_dist.testing import check_importable
+        >>> from contrastive_dist._dist import get_rank
+        >>> check_importable(get_rank)
+        >>> check_importable(lambda rank, world_size: rank)
+        Traceback (most recent call last):
+        ...
+        ValueError: fn=<lambda> is a lambda or a nested function, ...
+    """
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if module is None or qualname is None:
+        return  # e.g. a callable object or a functools.partial: pickling decides
+    hint = "define it at module level in a .py file and import it from there"
+    if "<lambda>" in qualname or "<locals>" in qualname:
+        raise ValueError(
+            f"fn={qualname} is a lambda or a nested function, which spawned processes cannot import; {hint}"
+        )
+    if module == "__main__":
+        main = sys.modules.get("__main__")
+        missing = _main_file_missing()
+        if getattr(main, "__file__", None) is None or missing is not None:
+            how = missing or "python -c or an interactive session"
+            raise ValueError(
+                f"fn={qualname} is defined in __main__ of {how}, which spawned processes cannot import; {hint}"
+            )
+
+
 class WorkerPool:
     """``world_size`` spawned processes with an initialised process group, reused across calls.
 
@@ -136,6 +179,13 @@ class WorkerPool:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        missing = _main_file_missing()
+        if missing is not None:
+            # Spawned processes re-run the main script from its file before anything else.
+            raise ValueError(
+                f"WorkerPool cannot start processes from {missing}: spawned processes re-run the main "
+                "script from its file; save the script as a .py file and run that"
+            )
         self.world_size = world_size
         self.timeout = timeout
         threads = threads_per_process or max(1, (os.cpu_count() or 1) // world_size)
@@ -183,6 +233,7 @@ class WorkerPool:
             TimeoutError: not every rank answered in time; the pool is closed.
             Exception: the exception of the lowest failed rank, with its traceback as a note.
         """
+        check_importable(fn)
         if not self.alive:
             raise RuntimeError("this WorkerPool is closed or lost a worker; create a new one")
         self._wait_until_ready()
@@ -276,6 +327,9 @@ def run_distributed(
 
     A one-shot :class:`WorkerPool`: the processes are started, used once and stopped.
     The whole call, start-up included, is bounded by about ``timeout`` seconds plus start-up.
+    ``fn`` must be importable by the spawned processes (see the module docstring); a ``ValueError``
+    says so before any process starts.
     """
+    check_importable(fn)
     with WorkerPool(world_size, backend=backend, timeout=timeout) as pool:
         return pool.run(fn, *args)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
+from routes import ROUTES, on_route, with_variable
 
 from contrastive_dist import all_gather, all_gather_many
 
@@ -104,6 +106,12 @@ def check_other_inputs(rank: int, world_size: int) -> list[str]:
         failures.append("non-contiguous gather")
     if all_gather(view).tensor.requires_grad:
         failures.append("input without grad produced an output requiring grad")
+    for given in (None, sizes):  # rows of zero width: nothing moves, shapes and autograd still right
+        no_width = torch.randn(sizes[rank], 0, requires_grad=True)
+        gathered_empty = all_gather(no_width, sizes=given).tensor
+        gathered_empty.sum().backward()
+        if gathered_empty.shape != (sum(sizes), 0) or no_width.grad is None or no_width.grad.shape != no_width.shape:
+            failures.append(f"zero-width gather (sizes given: {given is not None}): {tuple(gathered_empty.shape)}")
     image = torch.randn(sizes[rank], 5, dtype=torch.float64, requires_grad=True)
     text = torch.randn(sizes[rank], 2, 3, dtype=torch.float64, requires_grad=True)
     many = all_gather_many((image, text, ids))
@@ -150,13 +158,18 @@ BAD_INPUTS = [
     "grad_mismatch",
     "grad_mismatch_sizes",
     "many_sizes_mismatch",
+    "zero_width_sizes_mismatch",
+    "zero_width_grad_mismatch_sizes",
 ]
 
 
 def raise_bad_input(rank: int, world_size: int, kind: str) -> None:
     """Rank 1 passes something that disagrees with the others."""
     bad = rank == 1
-    x = torch.randn(2, 3)
+    width = 3
+    if kind.startswith("zero_width_"):  # rows of shape (0,): no data moves, yet the check must happen
+        kind, width = kind.removeprefix("zero_width_"), 0
+    x = torch.randn(2, width)
     sizes = None
     if kind == "trailing" and bad:
         x = torch.randn(2, 4)
@@ -168,7 +181,7 @@ def raise_bad_input(rank: int, world_size: int, kind: str) -> None:
         x = [[1.0, 2.0, 3.0]]  # type: ignore[assignment]
     elif kind == "sizes_mismatch":
         sizes = [2] * world_size
-        x = torch.randn(3 if bad else 2, 3)
+        x = torch.randn(3 if bad else 2, width)
     elif kind == "sizes_length":
         sizes = [2] * (world_size + 1)
     elif kind.startswith("grad_mismatch"):
@@ -182,39 +195,150 @@ def raise_bad_input(rank: int, world_size: int, kind: str) -> None:
     all_gather(x, 5 if (kind == "dim_range" and bad) else 0, sizes=sizes)
 
 
+def count_transport_calls(rank: int, world_size: int) -> dict[str, int]:
+    """Which raw collectives the transport runs for even, uneven and empty shards, with and without sizes=."""
+    from contrastive_dist import _wire
+
+    calls: Counter[str] = Counter()
+    names = {"broadcast": _wire.dist, "all_to_all_single": _wire.dist}
+    originals = {name: getattr(module, name) for name, module in names.items()}
+    originals["all_gather_single"] = _wire.all_gather_single
+    originals["_reduce_scatter_single"] = _wire._reduce_scatter_single
+
+    def counting(name: str):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    try:
+        for name, module in names.items():
+            setattr(module, name, counting(name))
+        _wire.all_gather_single = counting("all_gather_single")
+        _wire._reduce_scatter_single = counting("_reduce_scatter_single")
+        for sizes in ((2, 2), (3, 0)):
+            for given in (None, sizes):
+                x = torch.randn(sizes[rank], 3, requires_grad=True)
+                all_gather(x, sizes=given).tensor.sum().backward()
+    finally:
+        for name, module in names.items():
+            setattr(module, name, originals[name])
+        _wire.all_gather_single = originals["all_gather_single"]
+        _wire._reduce_scatter_single = originals["_reduce_scatter_single"]
+    return dict(calls)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_the_route_switch_chooses_the_collectives(pool, route):
+    calls = pool(2).run(on_route, route, count_transport_calls)[0]
+    if route == "auto":  # CPU: broadcasts forward, all-to-all backward, nothing else
+        assert set(calls) == {"broadcast", "all_to_all_single"}, calls
+    else:  # the accelerator routes: each single collective on even sizes, all-to-all on uneven ones
+        assert set(calls) == {"all_gather_single", "_reduce_scatter_single", "all_to_all_single"}, calls
+
+
+def test_an_unknown_route_is_rejected(pool):
+    errors = pool(2).run(on_route, "nccl", gather_after_errors, return_exceptions=True, timeout=20)
+    assert all(isinstance(error, ValueError) and "CONTRASTIVE_DIST_ROUTE" in str(error) for error in errors), errors
+
+
+SIZES_VIOLATIONS = ["differing", "some_ranks_only", "wrong_rows", "loss_input_with_sizes"]
+
+
+def violate_sizes(rank: int, world_size: int, kind: str) -> None:
+    """Rank 1 breaks the sizes= contract; without the debug switch gloo aborts or hangs here."""
+    bad = rank == 1
+    sizes: list[int] | None = [2] * world_size
+    x = torch.randn(2, 3, requires_grad=True)
+    if kind == "differing" and bad:
+        sizes = [2, 2, 3]
+    elif kind == "some_ranks_only" and bad:
+        sizes = None
+    elif kind == "wrong_rows" and bad:
+        x = torch.randn(3, 3, requires_grad=True)
+    elif kind == "loss_input_with_sizes":
+        from contrastive_dist import info_nce
+
+        info_nce(x, x[:, :2] if bad else x, sizes=sizes)  # rank 1 fails its own checks, before any gather
+        return
+    all_gather(x, sizes=sizes).tensor.sum().backward()
+
+
+@pytest.mark.parametrize("kind", SIZES_VIOLATIONS)
+def test_debug_switch_turns_a_sizes_violation_into_one_clear_error_on_every_rank(pool, kind):
+    workers = pool(3)
+    errors = workers.run(
+        with_variable, "CONTRASTIVE_DIST_DEBUG", "1", violate_sizes, kind, return_exceptions=True, timeout=20
+    )
+    assert all(isinstance(error, ValueError) for error in errors), errors
+    assert len({str(error) for error in errors}) == 1, "ranks disagree on the message"
+    message = str(errors[0])
+    assert "rank 1" in message, message
+    if kind == "differing":
+        assert "CONTRASTIVE_DIST_DEBUG=1" in message and "sizes=(2, 2, 3)" in message, message
+    elif kind == "some_ranks_only":
+        assert "CONTRASTIVE_DIST_DEBUG=1" in message and "no sizes=" in message, message
+    elif kind == "wrong_rows":
+        assert "float32 (3, 3)" in message, message
+    assert workers.run(gather_after_errors) == [[0, 1, 2]] * 3
+
+
+def gather_with_sizes(rank: int, world_size: int) -> list[int]:
+    return all_gather(torch.tensor([rank]), sizes=[1] * world_size).tensor.tolist()
+
+
+def test_an_unknown_debug_value_is_rejected(pool):
+    errors = pool(2).run(
+        with_variable, "CONTRASTIVE_DIST_DEBUG", "yes", gather_with_sizes, return_exceptions=True, timeout=20
+    )
+    assert all(isinstance(error, ValueError) and "CONTRASTIVE_DIST_DEBUG" in str(error) for error in errors), errors
+
+
+def test_debug_switch_keeps_correct_gathers_exact(pool):
+    assert pool(3).run(with_variable, "CONTRASTIVE_DIST_DEBUG", "1", check_values_and_grads) == [[]] * 3
+
+
 def gather_after_errors(rank: int, world_size: int) -> list[int]:
     return all_gather(torch.tensor([rank])).tensor.tolist()
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_values_and_gradients_match_single_process(pool, world_size):
-    assert pool(world_size).run(check_values_and_grads) == [[]] * world_size
+def test_values_and_gradients_match_single_process(pool, world_size, route):
+    assert pool(world_size).run(on_route, route, check_values_and_grads) == [[]] * world_size
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_closed_form_gradient_for_every_float_dtype(pool, world_size):
-    assert pool(world_size).run(check_closed_form) == [[]] * world_size
+def test_closed_form_gradient_for_every_float_dtype(pool, world_size, route):
+    assert pool(world_size).run(on_route, route, check_closed_form) == [[]] * world_size
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_integers_bools_views_and_several_tensors(pool, world_size):
-    assert pool(world_size).run(check_other_inputs) == [[]] * world_size
+def test_integers_bools_views_and_several_tensors(pool, world_size, route):
+    assert pool(world_size).run(on_route, route, check_other_inputs) == [[]] * world_size
 
 
-def test_subgroup_of_a_four_process_world(pool):
-    assert pool(4).run(check_subgroup) == [[]] * 4
+@pytest.mark.parametrize("route", ROUTES)
+def test_subgroup_of_a_four_process_world(pool, route):
+    assert pool(4).run(on_route, route, check_subgroup) == [[]] * 4
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("kind", BAD_INPUTS)
-def test_bad_input_raises_the_same_clear_error_on_every_rank(pool, kind):
+def test_bad_input_raises_the_same_clear_error_on_every_rank(pool, kind, route):
     workers = pool(3)
-    errors = workers.run(raise_bad_input, kind, return_exceptions=True, timeout=20)
+    errors = workers.run(on_route, route, raise_bad_input, kind, return_exceptions=True, timeout=20)
     assert all(isinstance(error, (ValueError, TypeError)) for error in errors), errors
     if kind != "sizes_length":
         assert len({str(error) for error in errors}) == 1, "ranks disagree on the message"
         assert "rank 1" in str(errors[0])
-    if kind.startswith("grad_mismatch"):
+    if "grad_mismatch" in kind:
         assert "autograd" in str(errors[0]) and "requires_grad" in str(errors[0])
+    if "sizes_mismatch" in kind:
+        assert "sizes[1]=2 was given, but the input has 3 rows" in str(errors[0])
     # Nothing was poisoned: the group still works.
     assert workers.run(gather_after_errors) == [[0, 1, 2]] * 3
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from routes import ROUTES, on_route
 from test_losses_reference import (
     KINDS,
     assert_close,
@@ -63,12 +64,13 @@ def _retrieval_on_ranks(rank: int, world_size: int, shards: tuple[int, ...]) -> 
     return retrieval_accuracy(local["images"], local["texts"], top_k=(1, 3))
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_mean_of_rank_losses_and_averaged_gradients_equal_single_process(
-    pool: Callable[[int], WorkerPool], world_size: int
+    pool: Callable[[int], WorkerPool], world_size: int, route: str
 ) -> None:
     cases = _cases(world_size)
-    per_rank = pool(world_size).run(_run_cases, cases, timeout=120)
+    per_rank = pool(world_size).run(on_route, route, _run_cases, cases, timeout=120)
     for index, (kind, shards, dtype_name, chunk_size, pass_sizes) in enumerate(cases):
         params, data = make_problem(seed=index, total=sum(shards), dtype=torch.float64)
         expected, expected_grads = value_and_grads(reference_loss(kind, params, data), params)

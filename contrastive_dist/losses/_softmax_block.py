@@ -82,7 +82,8 @@ def block_rows(
             scratch = logits.new_empty(2, *logits.shape)
         mask_buffer, spare = scratch[0, : stop - start], scratch[1, : stop - start]
         positive_mask = _positive_mask(targets, start, stop, out=mask_buffer)
-        positive_count = positive_mask.sum(dim=1)
+        # At least 1: a row without positives (weight 0 in SupCon) stays finite instead of 0 / 0.
+        positive_count = positive_mask.sum(dim=1).clamp_(min=1.0)
         positive = torch.mul(positive_mask, logits, out=spare).sum(dim=1) / positive_count
     if targets.excluded is not None:
         logits.scatter_(1, targets.excluded[start:stop, None], float("-inf"))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
+from einops import rearrange
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -120,30 +122,36 @@ def supcon(
     gathered = all_gather_many(own, group=group, sizes=sizes)
     all_features, all_labels = gathered.tensors[:2]
     views = 1 if features.ndim == 2 else features.shape[1]
-    dim = features.shape[-1]
     # One row per embedding, sample-major: the embedding (sample s, view v) is row s·V + v.
     _, key_class = torch.unique(all_labels.repeat_interleave(views), return_inverse=True)
     has_positives = torch.bincount(key_class)[key_class] > 1
     first_local_key = gathered.offset * views
     local_count = features.shape[0] * views
-    anchor_rows = torch.nonzero(has_positives[first_local_key : first_local_key + local_count]).flatten()
-    anchor_keys = anchor_rows + first_local_key
+    # Every local embedding is a query; one without positives gets weight 0 instead of being
+    # selected out, so no shape depends on the labels (torch.compile needs none). With a single
+    # embedding in the whole batch no row has any candidate: then no row is a query at all.
+    query_count = local_count if key_class.shape[0] > 1 else 0
+    anchor_keys = torch.arange(query_count, device=features.device) + first_local_key
+    is_anchor = has_positives[anchor_keys]
     with full_precision(features.device):
-        keys = upcast(all_features.reshape(-1, dim))
+        keys = upcast(rearrange(all_features, "n ... d -> (n ...) d"))
+        queries = upcast(rearrange(features, "n ... d -> (n ...) d"))[:query_count]
         # Class indices as floats for the kernel's masks, exact in the core's dtype (2**24 classes in float32).
         class_index = key_class.to(keys.dtype if key_class.numel() < 2**24 else torch.float64)
         targets = Targets(query_labels=class_index[anchor_keys], key_labels=class_index, excluded=anchor_keys)
-        queries = upcast(features.reshape(-1, dim))[anchor_rows]
         if reduction == "none":
             rows = cross_entropy(queries, keys, scale, targets, chunk_size=chunk_size, reduction="none")
-            every_row = rows.new_zeros(local_count).index_put((anchor_rows,), rows)
+            every_row = rows.new_zeros(local_count)
+            every_row[:query_count] = torch.where(is_anchor, rows, 0.0)
             return every_row.view(features.shape[:-1])
-        row_weights = None if weights is None else weights.repeat_interleave(views)[anchor_rows]
+        row_weights = is_anchor.to(keys.dtype)
+        if weights is not None:
+            row_weights = row_weights * weights.repeat_interleave(views)[:query_count]
         loss_sum = cross_entropy(queries, keys, scale, targets, chunk_size=chunk_size, row_weights=row_weights)
         if weights is None:
             denominator = has_positives.sum().to(loss_sum.dtype)
         else:
-            denominator = gathered.tensors[2].repeat_interleave(views)[has_positives].sum()
+            denominator = (gathered.tensors[2].repeat_interleave(views) * has_positives).sum()
         # W / A as a tensor (no host sync), in the core's dtype (A is exact there, unlike in
         # bf16 above 256); A = 0 (or all weights 0) means the sum is 0 too.
         positive = denominator > 0
