@@ -91,8 +91,9 @@ class DistributedBatchSampler(Sampler[list[int]]):
     bijection of ``[0, length)`` keyed by ``(seed, e)`` and computed per position, in constant
     memory, so every rank computes the same one without communicating. Step ``s`` takes the global
     batch ``order[s*G : (s+1)*G]`` with ``G = batch_size * num_replicas`` and gives rank ``r`` its
-    ``r``-th share; shares differ by at most one sample and the first ranks get the extra ones. A fresh ``iter()`` starts a full epoch,
-    unless :meth:`load_state_dict` was called just before (then it continues the saved epoch).
+    ``r``-th share; shares differ by at most one sample and the first ranks get the extra ones. A
+    fresh ``iter()`` starts a full epoch, unless :meth:`load_state_dict` was called just before
+    (then it continues the saved epoch).
 
     Args:
         data_source_or_length: the dataset (anything with ``len()``) or its length.
