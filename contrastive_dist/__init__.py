@@ -16,6 +16,8 @@ from contrastive_dist.losses import (
 from contrastive_dist.metrics import retrieval_accuracy
 from contrastive_dist.norm import SyncBatchNorm, convert_sync_batchnorm
 from contrastive_dist.sampler import DistributedBatchSampler
+from contrastive_dist.shards import DistributedShardList
+from contrastive_dist.streaming import DistributedStreamingBatches
 
 __all__ = [
     "DistributedInfoNCE",
@@ -38,6 +40,8 @@ __all__ = [
     "SyncBatchNorm",
     "convert_sync_batchnorm",
     "DistributedBatchSampler",
+    "DistributedShardList",
+    "DistributedStreamingBatches",
     "EmptySafeCollate",
 ]
 
