@@ -101,7 +101,7 @@ class DistributedShardList(IterableDataset):
             raise ValueError(f"worker must be an int in [0, num_workers={num_workers}), got {worker!r}")
         slots = self.num_replicas * num_workers
         slot = worker * self.num_replicas + self.rank
-        positions = torch.arange(slot, len(self.shards), slots, dtype=torch.int64)
+        positions = torch.tensor(range(slot, len(self.shards), slots), dtype=torch.int64)
         if self.shuffle:
             positions = Permutation(len(self.shards), self.seed, self.epoch)(positions)
         return [self.shards[index] for index in positions.tolist()]
