@@ -8,7 +8,8 @@ Methods (each measurement in a fresh process, so that peak RSS belongs to it alo
 
 Rank 3 of 8, 256 samples per rank per step. "first batch" is ``set_epoch`` + ``next(iter(sampler))``,
 what every rank pays at the start of every epoch; "next batches" the mean over the following 100;
-"extra memory" the growth of the process's peak RSS over its value after imports and construction.
+"extra memory" the growth of the process's peak RSS over its value after imports, construction and a
+warm-up on a small dataset.
 
 Run::
 
@@ -52,12 +53,18 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def make(method: str, length: int):
+    if method == "feistel":
+        return DistributedBatchSampler(length, BATCH_SIZE, num_replicas=WORLD, rank=RANK, seed=0)
+    return RandpermBatches(length)
+
+
 def measure(method: str, length: int) -> dict[str, float]:
     torch.set_num_threads(1)
-    if method == "feistel":
-        sampler = DistributedBatchSampler(length, BATCH_SIZE, num_replicas=WORLD, rank=RANK, seed=0)
-    else:
-        sampler = RandpermBatches(length)
+    # Warm-up on a small dataset: a training process has run torch ops before, so the one-off costs of
+    # the first call (kernels, allocator pools) are not what a new epoch pays.
+    next(iter(make(method, 10 * WORLD * BATCH_SIZE)))
+    sampler = make(method, length)
     before = peak_rss_mib()
     started = time.perf_counter()
     if method == "feistel":

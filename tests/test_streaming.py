@@ -100,6 +100,8 @@ def disagreement(rank, *, lookahead, epoch):
 
 def rank_main(rank, store_path, out_dir, scenarios):
     torch.set_num_threads(1)
+    # Import once in the forkserver, not again in every worker of every epoch.
+    torch_mp.set_forkserver_preload(["torch", "webdataset", "contrastive_dist", __name__])
     store = dist.FileStore(store_path, WORLD)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     results = {"scenarios": [run_epochs(**scenario) for scenario in scenarios]}
