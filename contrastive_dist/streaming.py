@@ -14,8 +14,8 @@ process, where the training loop calls ``next()``: every ``lookahead`` steps it 
 batches it holds and their row counts. From that table every rank knows, identically, how many
 steps the window has, each step's per-rank sizes (``sizes(step)``, to pass as
 ``all_gather(..., sizes=...)`` or ``loss(..., sizes=...)``, which then skip their own size
-exchange: with ``lookahead=1`` the wrapper's exchange *replaces* the loss's, so the agreement is
-free), and whether the epoch is over (a window in which every rank ran out). Ranks call ``next()``
+exchange: with ``lookahead=1`` the wrapper's exchange takes the place of the loss's rather than
+adding one; ``benchmarks/streaming.py`` measures both), and whether the epoch is over (a window in which every rank ran out). Ranks call ``next()``
 at the same point of the same loop, so the exchange is ordered like every other collective.
 
 Resuming in the middle of an epoch is not supported (a stream cannot seek): a restored run starts
@@ -65,8 +65,8 @@ class DistributedStreamingBatches:
             ``empty_batch``.
         empty_batch: a function returning this rank's batch for a step it has no data for.
         lookahead: batches fetched ahead per exchange; the same on every rank. 1 exchanges every
-            step (free when its sizes replace the loss's exchange); ``k`` exchanges once per ``k``
-            steps and keeps up to ``k`` batches in memory.
+            step (in place of the loss's own size exchange when its sizes are passed on); ``k``
+            exchanges once per ``k`` steps and keeps up to ``k`` batches in memory.
         count_rows: rows of a batch (default: the leading size of its first tensor).
         group: the process group of the training (default: the world).
 
