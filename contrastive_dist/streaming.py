@@ -15,8 +15,12 @@ batches it holds and their row counts. From that table every rank knows, identic
 steps the window has, each step's per-rank sizes (``sizes(step)``, to pass as
 ``all_gather(..., sizes=...)`` or ``loss(..., sizes=...)``, which then skip their own size
 exchange: with ``lookahead=1`` the wrapper's exchange takes the place of the loss's rather than
-adding one; ``benchmarks/streaming.py`` measures both), and whether the epoch is over (a window in which every rank ran out). Ranks call ``next()``
-at the same point of the same loop, so the exchange is ordered like every other collective.
+adding one; ``benchmarks/streaming.py`` measures both), and whether the epoch is over (a window
+in which every rank ran out). Ranks call ``next()`` at the same point of the same loop, so the
+exchange is ordered like every other collective.
+
+DataLoader workers forked from a process that has joined a gloo group were seen to hang at start
+(in C code, some of them); ``multiprocessing_context="forkserver"`` starts them from a clean process.
 
 Resuming in the middle of an epoch is not supported (a stream cannot seek): a restored run starts
 its epoch again.
