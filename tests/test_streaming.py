@@ -224,3 +224,44 @@ def test_shard_assignment_covers_every_shard_once():
     per_rank = [DistributedShardList(["a", "b", "c"], shuffle=False, num_replicas=3, rank=r) for r in range(3)]
     assigned = [shard_list.shards_for(0, 2) + shard_list.shards_for(1, 2) for shard_list in per_rank]
     assert assigned == [["a"], ["b"], ["c"]]
+
+
+def _random_streams(rank, world_size, configurations):
+    """Each configuration: per-rank sample counts, batch size, lookahead. In-memory loaders, no workers."""
+    reports = []
+    for counts, batch_size, lookahead in configurations:
+        ids = torch.arange(sum(counts[:rank]), sum(counts[: rank + 1]))
+        local = list(ids.split(batch_size)) if counts[rank] else []
+        empty = torch.zeros(0, dtype=torch.int64)
+        batches = DistributedStreamingBatches(local, lookahead=lookahead, empty_batch=empty.clone)
+        seen, sizes = [], []
+        for step, batch in enumerate(batches):
+            seen.append(batch.tolist())
+            sizes.append(batches.sizes(step))
+        reports.append({"seen": seen, "sizes": sizes})
+    return reports
+
+
+def test_window_sizes_and_step_counts_on_random_uneven_ranks(pool):
+    generator = torch.Generator().manual_seed(7)
+    configurations = []
+    for _ in range(40):
+        counts = torch.randint(0, 12, (WORLD,), generator=generator)
+        counts[torch.randint(0, WORLD, (), generator=generator)] = 0  # always an empty rank
+        batch_size, lookahead = (int(value) for value in torch.randint(1, 5, (2,), generator=generator))
+        configurations.append((counts.tolist(), batch_size, lookahead))
+    results = pool(WORLD).run(_random_streams, configurations)
+    for index, (counts, batch_size, _) in enumerate(configurations):
+        reports = [result[index] for result in results]
+        batches_per_rank = [-(-count // batch_size) for count in counts]
+        steps = max(batches_per_rank)
+        for rank, report in enumerate(reports):
+            assert len(report["seen"]) == steps
+            first = sum(counts[:rank])
+            expected = [list(range(first + b * batch_size, min(first + counts[rank], first + (b + 1) * batch_size)))
+                        for b in range(batches_per_rank[rank])]
+            assert report["seen"] == expected + [[]] * (steps - batches_per_rank[rank])  # own batches, then empty
+            assert report["sizes"] == reports[0]["sizes"]
+        assert [tuple(len(report["seen"][step]) for report in reports) for step in range(steps)] == [
+            tuple(size) for size in reports[0]["sizes"]
+        ]
