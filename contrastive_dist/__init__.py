@@ -18,6 +18,8 @@ from contrastive_dist.metrics import retrieval_accuracy
 from contrastive_dist.norm import SyncBatchNorm, convert_sync_batchnorm
 from contrastive_dist.queue import DistributedMemoryQueue
 from contrastive_dist.sampler import DistributedBatchSampler
+from contrastive_dist.shards import DistributedShardList
+from contrastive_dist.streaming import DistributedStreamingBatches
 
 __all__ = [
     "DistributedInfoNCE",
@@ -42,6 +44,8 @@ __all__ = [
     "SyncBatchNorm",
     "convert_sync_batchnorm",
     "DistributedBatchSampler",
+    "DistributedShardList",
+    "DistributedStreamingBatches",
     "EmptySafeCollate",
 ]
 

@@ -28,6 +28,12 @@ the sampler itself, so those calls arrive. The ``training_step`` must return a l
 the parameters even for a 0-row batch (e.g. ``model(x).sum() * 0``): returning ``None`` makes
 Lightning skip the backward on that rank only, and the other ranks wait for it forever.
 
+Order: each epoch's order is a seeded bijection of ``[0, length)`` evaluated only at the positions a
+batch needs (:mod:`contrastive_dist._permutation`: a Feistel network with cycle walking), so the first
+batch of a 2·10⁹-sample dataset comes in milliseconds and no permutation is ever held in memory.
+Earlier versions drew ``torch.randperm(length)`` seeded with ``seed + epoch``: the same seed now
+gives a different order (every guarantee above is unchanged).
+
 Evaluation: ``shuffle=False`` splits a validation set across ranks in natural order with no
 sample repeated or dropped, so sums and counts reduced over ranks give exact metrics.
 
@@ -57,29 +63,37 @@ from torch.distributed import ProcessGroup
 from torch.utils.data import Sampler
 
 from contrastive_dist._dist import get_rank, get_world_size, start_offset
+from contrastive_dist._permutation import Permutation
 
 __all__ = ["DistributedBatchSampler"]
 
 _LAYOUT_KEYS = ("length", "batch_size", "num_replicas", "shuffle")
+_WINDOW = 8192  # indices computed per call of the order: 64 KiB, a few milliseconds
 
 
-def _int(name: str, value: object, minimum: int) -> int:
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum} (a signed 64-bit int), got {value}")
     return value
 
 
 class DistributedBatchSampler(Sampler[list[int]]):
     """Batches of dataset indices for one rank; every index exactly once per epoch over all ranks.
 
-    Pass it to ``DataLoader(dataset, batch_sampler=sampler)``. The permutation of epoch ``e`` comes
-    from a ``torch.Generator`` seeded with ``seed + e``, so every rank computes the same one without
-    communicating. Step ``s`` takes the global batch ``perm[s*G : (s+1)*G]`` with
-    ``G = batch_size * num_replicas`` and gives rank ``r`` its ``r``-th share; shares differ by at
-    most one sample and the first ranks get the extra ones. A fresh ``iter()`` starts a full epoch,
-    unless :meth:`load_state_dict` was called just before (then it continues the saved epoch).
+    Pass it to ``DataLoader(dataset, batch_sampler=sampler)``. The order of epoch ``e`` is a random
+    bijection of ``[0, length)`` keyed by ``(seed, e)`` and computed per position, in constant
+    memory, so every rank computes the same one without communicating. Step ``s`` takes the global
+    batch ``order[s*G : (s+1)*G]`` with ``G = batch_size * num_replicas`` and gives rank ``r`` its
+    ``r``-th share; shares differ by at most one sample and the first ranks get the extra ones. A
+    fresh ``iter()`` starts a full epoch, unless :meth:`load_state_dict` was called just before
+    (then it continues the saved epoch).
 
     Args:
         data_source_or_length: the dataset (anything with ``len()``) or its length.
@@ -87,7 +101,7 @@ class DistributedBatchSampler(Sampler[list[int]]):
         num_replicas: number of ranks (default: the size of ``group``, 1 without a process group).
         rank: this rank (default: the rank in ``group``, 0 without a process group).
         shuffle: a new random order each epoch; ``False`` keeps the natural order (evaluation).
-        seed: base seed of the permutation; must be the same on every rank.
+        seed: seed of the order, any signed 64-bit int; must be the same on every rank.
         group: process group the defaults are read from.
 
     Shape:
@@ -137,6 +151,8 @@ class DistributedBatchSampler(Sampler[list[int]]):
             )
         if length < 1:
             raise ValueError(f"the dataset must hold at least one sample, got length {length}")
+        if length > 2**62:
+            raise ValueError(f"the dataset length must be at most 2**62, got {length}")
         self.length = length
         self.batch_size = _int("batch_size", batch_size, 1)
         self.num_replicas = _int("num_replicas", get_world_size(group) if num_replicas is None else num_replicas, 1)
@@ -146,7 +162,7 @@ class DistributedBatchSampler(Sampler[list[int]]):
         if not isinstance(shuffle, bool):
             raise TypeError(f"shuffle must be a bool, got {type(shuffle).__name__}")
         self.shuffle = shuffle
-        self.seed = _int("seed", seed, -(2**63))
+        self.seed = _int("seed", seed, _INT64_MIN, _INT64_MAX)
         self.epoch = 0
         # Batches handed out by the latest iterator. Every fresh iter() resets it, so that a loader
         # that stopped after len() batches (without exhausting us) still gets a full next epoch.
@@ -173,7 +189,7 @@ class DistributedBatchSampler(Sampler[list[int]]):
         A state loaded by :meth:`load_state_dict` for another epoch is discarded: the caller has
         moved on. Setting the loaded epoch again keeps it.
         """
-        _int("epoch", epoch, 0)
+        _int("epoch", epoch, 0, _INT64_MAX)
         if epoch != self.epoch:
             self._resume_step = None
             self._step = 0
@@ -190,12 +206,20 @@ class DistributedBatchSampler(Sampler[list[int]]):
         share, extra = divmod(global_size, self.num_replicas)
         return tuple(share + 1 if rank < extra else share for rank in range(self.num_replicas))
 
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(self.length)
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + epoch)
-        return torch.randperm(self.length, generator=generator)
+    def _rows(self, order: Permutation | None, step: int) -> list[list[int]]:
+        """Return this rank's batches from ``step`` on, as many as fill a window of about ``_WINDOW`` indices.
+
+        One call of the order per window, not per batch: each call costs a few hundred small tensor
+        operations whatever its size, which would dominate batches of a few samples.
+        """
+        sizes = self.sizes(step)
+        first = step * self.global_batch_size + start_offset(sizes, self.rank)
+        full_steps = self.length // self.global_batch_size
+        # Full steps give every rank batch_size samples at the same offset: a (steps, batch_size) grid.
+        count = min(full_steps - step, max(1, _WINDOW // self.batch_size)) if step < full_steps else 1
+        positions = first + torch.arange(sizes[self.rank], dtype=torch.int64)
+        positions = positions + self.global_batch_size * torch.arange(count, dtype=torch.int64)[:, None]
+        return (positions if order is None else order(positions)).tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
         # The restart is decided here, not in the generator body: DataLoader calls iter() when an
@@ -211,14 +235,14 @@ class DistributedBatchSampler(Sampler[list[int]]):
         epoch = self.epoch
         if epoch != epoch_at_iter:
             start = 0
-        order = self._permutation(epoch)
-        for step in range(start, len(self)):
-            sizes = self.sizes(step)
-            first = step * self.global_batch_size + start_offset(sizes, self.rank)
-            batch = order[first : first + sizes[self.rank]].tolist()
-            # Counted before the yield: once the caller holds batch `step`, `step + 1` are done.
-            self._step = step + 1
-            yield batch
+        order = Permutation(self.length, self.seed, epoch) if self.shuffle else None
+        step = start
+        while step < len(self):
+            for batch in self._rows(order, step):
+                # Counted before the yield: once the caller holds batch `step`, `step + 1` are done.
+                step += 1
+                self._step = step
+                yield batch
 
     def state_dict(self) -> dict[str, Any]:
         """Where the current epoch stands: ``epoch``, ``step`` (batches handed out), ``seed``.
@@ -249,8 +273,8 @@ class DistributedBatchSampler(Sampler[list[int]]):
                     f"cannot resume: the saved {key} is {state_dict[key]!r} but this sampler has {getattr(self, key)!r}"
                 )
         epoch, step, seed = state_dict["epoch"], state_dict["step"], state_dict["seed"]
-        _int("state_dict['epoch']", epoch, 0)
-        _int("state_dict['seed']", seed, -(2**63))
+        _int("state_dict['epoch']", epoch, 0, _INT64_MAX)
+        _int("state_dict['seed']", seed, _INT64_MIN, _INT64_MAX)
         if _int("state_dict['step']", step, 0) > len(self):
             raise ValueError(f"state_dict['step'] must be in [0, {len(self)}], got {step}")
         self.epoch, self.seed = epoch, seed

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from permutation_reference import reference_order
 from torch.utils.data import DataLoader
 
 from contrastive_dist import DistributedBatchSampler, EmptySafeCollate
@@ -29,8 +30,7 @@ def all_ranks(length: int, world: int, batch: int, *, shuffle: bool, seed: int =
 def reference_epoch(length: int, world: int, batch: int, *, shuffle: bool, seed: int, epoch: int):
     """Obviously-correct layout: per step, the global slice dealt out in rank order, extra rows first."""
     if shuffle:
-        generator = torch.Generator().manual_seed(seed + epoch)
-        order = torch.randperm(length, generator=generator).tolist()
+        order = reference_order(length, seed, epoch)  # one position at a time, plain Python
     else:
         order = list(range(length))
     global_batch = batch * world
@@ -178,6 +178,9 @@ def test_dataloader_with_workers_and_empty_rank():
         ((10, 2), {"num_replicas": 2, "rank": -1}, ValueError, "rank must be >= 0"),
         ((10, 2), {"shuffle": 1}, TypeError, "shuffle must be a bool"),
         ((10, 2), {"seed": "0"}, TypeError, "seed must be an int"),
+        ((10, 2), {"seed": 2**70}, ValueError, r"seed must be <= 9223372036854775807 \(a signed 64-bit int\)"),
+        ((10, 2), {"seed": -(2**63) - 1}, ValueError, "seed must be >= -9223372036854775808"),
+        ((2**62 + 1, 2), {}, ValueError, r"length must be at most 2\*\*62"),
         ((object(), 2), {}, TypeError, "dataset with len"),
     ],
 )
@@ -201,6 +204,17 @@ def test_defaults_without_process_group_and_bad_calls():
         sampler.load_state_dict({"epoch": 0})
     with pytest.raises(ValueError, match=r"step'\] must be in \[0, 3\]"):
         sampler.load_state_dict({**state, "step": 4})
+
+
+def test_seed_range_is_checked_at_construction_and_its_ends_iterate():
+    for seed in (2**63 - 1, -(2**63)):  # the whole signed 64-bit range works, epochs up to 2**63 - 1 too
+        sampler = DistributedBatchSampler(10, 3, num_replicas=2, rank=1, seed=seed)
+        sampler.set_epoch(2**63 - 1)
+        assert [len(batch) for batch in sampler] == [3, 2]
+    with pytest.raises(ValueError, match="epoch must be <= 9223372036854775807"):
+        sampler.set_epoch(2**63)
+    with pytest.raises(ValueError, match=r"state_dict\['seed'\] must be <= 9223372036854775807"):
+        sampler.load_state_dict({**sampler.state_dict(), "seed": 2**70})
 
 
 def test_set_epoch_to_another_epoch_drops_a_loaded_state():

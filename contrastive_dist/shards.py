@@ -1,0 +1,119 @@
+"""Shards assigned to ranks and DataLoader workers without overlap, in a new order each epoch.
+
+Streaming datasets (webdataset, litdata, Mosaic streaming, your own tar or parquet reader) are
+lists of *shards*, each holding many samples. Under data parallelism every (rank, worker) pair must
+read its own shards, or samples repeat. :class:`DistributedShardList` is the first stage of such a
+pipeline: in each DataLoader worker it yields the shards of that worker on that rank, as
+``{"url": shard}`` dicts like ``webdataset.SimpleShardList``, so any webdataset stage can follow it.
+
+Assignment: the ``num_replicas * num_workers`` (rank, worker) *slots* are numbered worker-major
+(``slot = worker * num_replicas + rank``) and shard ``i`` of the epoch's order goes to slot
+``i % slots``: consecutive shards go to different *ranks* first, which spreads a short shard list
+over the ranks rather than over one rank's workers. Every shard is read exactly once per
+epoch; with fewer shards than slots some slots read nothing (their rank then runs out early,
+which :class:`~contrastive_dist.DistributedStreamingBatches` absorbs with empty batches). The epoch's
+order of the shards is a seeded permutation of ``(seed, epoch)`` (the same as
+:class:`~contrastive_dist.DistributedBatchSampler`'s), so every rank computes the same assignment
+without communicating, and which shards land together changes every epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+from torch.utils.data import IterableDataset, get_worker_info
+
+from contrastive_dist._dist import get_rank, get_world_size
+from contrastive_dist._permutation import Permutation
+
+__all__ = ["DistributedShardList"]
+
+
+class DistributedShardList(IterableDataset):
+    """The shards one DataLoader worker of one rank reads this epoch, as ``{"url": shard}`` dicts.
+
+    Rank and world size are read from the process group at construction, in the main process:
+    DataLoader workers have no process group, and they receive a copy of this object. A fresh copy
+    is sent at every epoch unless the loader keeps its workers (``persistent_workers=True``), in
+    which case :meth:`set_epoch` could not reach them; :class:`~contrastive_dist.DistributedStreamingBatches`
+    refuses such a loader.
+
+    Args:
+        shards: the shard names or URLs of the whole dataset, in the same order on every rank.
+        shuffle: a new order of the shards each epoch (``False``: shard ``i`` to slot ``i % slots``).
+        seed: seed of the shard order, any signed 64-bit int; the same on every rank.
+        num_replicas: number of ranks (default: the size of ``group``, 1 without a process group).
+        rank: this rank (default: the rank in ``group``, 0 without a process group).
+        group: process group the defaults are read from.
+
+    Example:
+        >>> shards = DistributedShardList([f"data-{i:03d}.tar" for i in range(5)], shuffle=False,
+        ...                               num_replicas=2, rank=1)
+        >>> [item["url"] for item in shards]                    # no DataLoader worker: one slot per rank
+        ['data-001.tar', 'data-003.tar']
+        >>> shards.shards_for(worker=1, num_workers=2)          # rank 1, worker 1 of 2: slot 3 of 4
+        ['data-003.tar']
+        >>> shards.shards_for(worker=2, num_workers=3)          # 6 slots for 5 shards: slot 5 reads none
+        []
+
+    """
+
+    def __init__(
+        self,
+        shards: Sequence[Any],
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        group: ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence):
+            raise TypeError(f"shards must be a sequence (list or tuple) of shard names, got {type(shards).__name__}")
+        if len(shards) == 0:
+            raise ValueError("shards must hold at least one shard, got an empty sequence")
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"shuffle must be a bool, got {type(shuffle).__name__}")
+        self.shards = list(shards)
+        self.shuffle = shuffle
+        self.num_replicas = _positive("num_replicas", get_world_size(group) if num_replicas is None else num_replicas)
+        self.rank = get_rank(group) if rank is None else rank
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.num_replicas:
+            raise ValueError(f"rank must be an int in [0, num_replicas={self.num_replicas}), got {self.rank!r}")
+        Permutation(len(self.shards), seed)  # validates the seed (type and 64-bit range) now, not in a worker
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the shard order of ``epoch`` from the next ``iter()`` on (the loader's next epoch)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < 2**63:
+            raise ValueError(f"epoch must be an int in [0, 2**63), got {epoch!r}")
+        self.epoch = epoch
+
+    def shards_for(self, worker: int = 0, num_workers: int = 1) -> list[Any]:
+        """Return the shards of ``worker`` (of ``num_workers``) on this rank in the current epoch."""
+        _positive("num_workers", num_workers)
+        if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < num_workers:
+            raise ValueError(f"worker must be an int in [0, num_workers={num_workers}), got {worker!r}")
+        slots = self.num_replicas * num_workers
+        slot = worker * self.num_replicas + self.rank
+        positions = torch.tensor(range(slot, len(self.shards), slots), dtype=torch.int64)
+        if self.shuffle:
+            positions = Permutation(len(self.shards), self.seed, self.epoch)(positions)
+        return [self.shards[index] for index in positions.tolist()]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        for shard in self.shards_for(worker, num_workers):
+            yield {"url": shard}
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
