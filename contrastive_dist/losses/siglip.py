@@ -273,5 +273,4 @@ class SigLIPLoss(nn.Module):
 
     def extra_repr(self) -> str:
         """Show the options in ``repr``."""
-        return f"chunk_size={self.chunk_size}, reduction={self.reduction!r}"
-        return f"chunk_size={self.chunk_size}, communication={self.communication!r}"
+        return f"chunk_size={self.chunk_size}, reduction={self.reduction!r}, communication={self.communication!r}"
