@@ -150,7 +150,7 @@ DATA_SOURCES: dict[str, Callable[[str, argparse.Namespace], tuple[Dataset, Datas
 
 
 class TextTransformer(nn.Module):
-    """A small pre-norm transformer over byte tokens, pooled at the end token as in CLIP; ``(n, L)`` → ``(n, width)``."""
+    """A small pre-norm transformer over byte tokens, pooled at the end token as in CLIP: (n, L) → (n, width)."""
 
     def __init__(self, *, width: int, context_length: int, layers: int = 2, heads: int = 4) -> None:
         super().__init__()
@@ -300,7 +300,8 @@ def main(argv: Sequence[str] | None = None, callbacks: Sequence[L.Callback] = ()
     n = len(val_set)  # type: ignore[arg-type]
     chance = {f"val/{direction}_r{k}": min(k, n) / n for direction in ("image_to_text", "text_to_image")
               for k in model.top_k}
-    files = {"metrics": Path(trainer.loggers[0].log_dir) / "metrics.csv", "checkpoints": args.output_dir / "checkpoints"}
+    files = {"metrics": Path(trainer.loggers[0].log_dir or ".") / "metrics.csv",
+             "checkpoints": args.output_dir / "checkpoints"}
     rows = read_metrics(args.output_dir)
     if not args.no_plots:
         files["curves"] = args.output_dir / "curves.png"

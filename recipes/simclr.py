@@ -175,7 +175,8 @@ def knn_accuracy(bank: Tensor, bank_labels: Tensor, queries: Tensor, query_label
                  k: int = 20, temperature: float = 0.1) -> float:
     """Similarity-weighted k-NN vote (as in instance-discrimination papers) on normalised features."""
     similarity, neighbours = (queries @ bank.T).topk(min(k, len(bank)), dim=1)
-    votes = torch.zeros(len(queries), classes).scatter_add_(1, bank_labels[neighbours], (similarity / temperature).exp())
+    weights = (similarity / temperature).exp()
+    votes = torch.zeros(len(queries), classes).scatter_add_(1, bank_labels[neighbours], weights)
     return (votes.argmax(1) == query_labels).float().mean().item()
 
 
@@ -277,7 +278,8 @@ def main(argv: Sequence[str] | None = None, callbacks: Sequence[L.Callback] = ()
         return
     labels = torch.tensor([queries[i][1] for i in range(len(queries))])
     chance = {"val/knn_accuracy": torch.bincount(labels, minlength=classes).max().item() / len(queries)}  # majority
-    files = {"metrics": Path(trainer.loggers[0].log_dir) / "metrics.csv", "checkpoints": args.output_dir / "checkpoints"}
+    files = {"metrics": Path(trainer.loggers[0].log_dir or ".") / "metrics.csv",
+             "checkpoints": args.output_dir / "checkpoints"}
     rows = read_metrics(args.output_dir)
     if not args.no_plots:
         files["curves"] = args.output_dir / "curves.png"

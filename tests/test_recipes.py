@@ -21,7 +21,7 @@ TINY_SIMCLR = ["--image-size", "16", "--width", "4", "--hidden", "16", "--out", 
 
 def run(recipe: str, *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: int = 150,
         check: bool = True, hooks: bool = False) -> subprocess.CompletedProcess[str]:
-    """``python recipes/<recipe> args`` (output redirected, as in a log file); ``hooks``: through tests/recipe_hooks.py."""
+    """``python recipes/<recipe> args``, output redirected as to a log file; ``hooks``: via tests/recipe_hooks.py."""
     environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     command = [str(HOOKS), recipe.removesuffix(".py")] if hooks else [str(RECIPES / recipe)]
     result = subprocess.run([sys.executable, *command, *args], cwd=cwd, env=environment,
