@@ -211,3 +211,28 @@ def test_shapes_background_options(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(torch.where(shape, default.images, 0), torch.where(shape, plain.images, 0))  # same shapes
     with pytest.raises(ValueError, match="tint_spread"):
         ShapesDataset("train", size=4, tint_spread=1.0)
+
+
+def test_torchrun_recipe_resumes_mid_epoch_and_two_processes_train_to_the_weights_of_one(tmp_path: Path) -> None:
+    # 33 pairs, global batch 16: steps of 16, 16, 1 per epoch, the last split [1, 0] on 2 processes.
+    # Two processes stop after 2 steps (mid-epoch) and resume to 5; one process runs the 5 steps at once.
+    def torchrun(processes: int, *args: str) -> str:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+                   str(RECIPES / "clip_torchrun.py"), "--train-size", "33", "--lr", "0.5", *args]
+        result = subprocess.run(command, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                capture_output=True, text=True, timeout=150)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        return result.stdout
+
+    torchrun(2, "--batch-size", "8", "--max-steps", "2", "--output-dir", "two")
+    output = torchrun(2, "--batch-size", "8", "--max-steps", "5", "--output-dir", "two", "--resume",
+                      "two/checkpoint.pt")
+    assert "held-out recall over 64 pairs" in output and "5 steps" in output
+    torchrun(1, "--batch-size", "16", "--max-steps", "5", "--output-dir", "one")
+    two, one = (torch.load(tmp_path / name / "checkpoint.pt", weights_only=True) for name in ("two", "one"))
+    assert two["step"] == one["step"] == 5 and two["sampler"]["epoch"] == 1 and two["sampler"]["step"] == 2
+    for key, value in one["model"].items():
+        if value.is_floating_point():
+            scale = value.abs().max().clamp_min(1e-6)
+            assert (two["model"][key] - value).abs().max() / scale <= 5e-5, key  # float32, another sum order
+    assert not torch.equal(one["model"]["logit_scale"], torch.tensor(1 / 0.07).log())  # it trained
