@@ -240,7 +240,7 @@ def retrieval_grid(model: CLIP, dataset: Any, path: Path, *, panels: int = 8) ->
     retrieved = (image[:panels] @ text.T).topk(top, dim=1).indices.tolist()
     columns = min(panels, 4)
     rows = -(-panels // columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(3.3 * columns, 3.6 * rows + 0.5), squeeze=False)
+    figure, axes = plt.subplots(rows, columns, figsize=(max(3.3 * columns, 8), 3.6 * rows + 0.7), squeeze=False)
     for axis in axes.flat:
         axis.axis("off")
     for i, axis in enumerate(axes.flat[:panels]):
@@ -251,10 +251,10 @@ def retrieval_grid(model: CLIP, dataset: Any, path: Path, *, panels: int = 8) ->
             lines.append((f"true: {items[i][1][:42]}", "crimson"))
         for row, (line, colour) in enumerate(lines):
             axis.text(0.0, -0.05 - 0.1 * row, line, transform=axis.transAxes, va="top", fontsize=7, color=colour)
-    figure.suptitle(f"held-out images and their top-{top} retrieved captions.  Key: ✓ green = the right caption, "
-                    f"✗ grey = a wrong one, red 'true:' = the right caption when it is not among them", fontsize=9)
-    figure.subplots_adjust(left=0.02, right=0.98, top=0.9, bottom=0.12, hspace=0.75, wspace=0.15)
-    figure.savefig(path, dpi=110)
+    figure.suptitle(f"held-out images and their top-{top} retrieved captions\n✓ green: the right caption   "
+                    "✗ grey: a wrong one   red 'true:': the right caption, when it is not among them", fontsize=9)
+    figure.subplots_adjust(left=0.02, right=0.98, top=0.86, bottom=0.12, hspace=0.75, wspace=0.15)
+    figure.savefig(path, dpi=110, bbox_inches="tight")  # the caption lines sit below the axes
     plt.close(figure)
 
 
