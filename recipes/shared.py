@@ -300,7 +300,7 @@ def fit(trainer: L.Trainer, module: L.LightningModule, args: argparse.Namespace)
     Exits non-zero when a rank process this one launched failed: Lightning's ``ddp`` launcher
     watches its children only while rank 0 trains, so one that dies later would go unnoticed.
     """
-    trainer.fit(module, ckpt_path=None if args.resume is None else str(args.resume), weights_only=False)
+    trainer.fit(module, ckpt_path=None if args.resume is None else str(args.resume), weights_only=True)
     failed = [(process.pid, process.wait()) for process in getattr(trainer.strategy.launcher, "procs", [])]
     failed = [(pid, code) for pid, code in failed if code != 0]
     if failed:
