@@ -354,7 +354,7 @@ def plot_curves(rows: list[dict[str, float]], keys: Sequence[str], path: Path, t
 def print_summary(title: str, rows: list[dict[str, float]], chance: dict[str, float], *, trainer: L.Trainer,
                   seconds: float, files: dict[str, Path]) -> None:
     """One screen: the last held-out value of each metric against chance, the run's length, the files."""
-    (end_of_run,) = [callback for callback in trainer.callbacks if isinstance(callback, EndOfRun)]  # type: ignore
+    (end_of_run,) = [callback for callback in trainer.callbacks if isinstance(callback, EndOfRun)]
     first, last = end_of_run.start_step, trainer.global_step
     steps = f"{last} steps" if first == 0 else f"steps {first + 1}-{last} (resumed; the run has {last} steps)"
     lines = [f"== {title}: done in {seconds:.0f} s on {trainer.world_size} process(es), {steps} =="]
