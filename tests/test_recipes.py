@@ -141,12 +141,14 @@ def test_a_failing_rank_makes_the_command_fail(tmp_path: Path) -> None:
     assert "fails on purpose" in result.stdout + result.stderr
 
 
-def test_resume_mid_epoch_sees_every_sample_once(tmp_path: Path) -> None:
-    # 37 samples, global batch 8: five steps per epoch, the last split [3, 2]; stop after 2.
+@pytest.mark.parametrize("num_workers", ["0", "2"])
+def test_resume_mid_epoch_sees_every_sample_once(tmp_path: Path, num_workers: str) -> None:
+    # 37 samples, global batch 8: five steps per epoch, the last split [3, 2]; stop after 2. Workers
+    # prefetch batches beyond the checkpoint's step: the loader's saved state must not count them.
     record = tmp_path / "samples"
     record.mkdir()
     common = [*TINY_CLIP, "--train-size", "37", "--val-size", "8", "--batch-size", "4", "--val-every", "100",
-              "--no-plots", "--output-dir", "out"]
+              "--no-plots", "--output-dir", "out", "--num-workers", num_workers]
     env = {"RECIPE_RECORD_SAMPLES": str(record)}
     run("clip.py", *common, "--max-steps", "2", cwd=tmp_path, env=env, hooks=True)
     run("clip.py", *common, "--max-steps", "5", "--resume", "out/checkpoints/last.ckpt", cwd=tmp_path, env=env,
