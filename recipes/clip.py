@@ -4,7 +4,9 @@ The default data are generated images of coloured shapes with captions that name
 red circle in the top left"); the held-out split has distinct captions, and image→text /
 text→image recall@1/@5 over the whole held-out split (gathered from every rank) is reported
 against chance. Image tower: a torchvision ResNet for small images; text tower: a byte-level
-transformer; a learnable, log-parameterised ``logit_scale`` clamped at 100 as in CLIP.
+transformer; a learnable, log-parameterised ``logit_scale`` clamped at 100 as in CLIP. Loading is
+drop-last-free and resumable mid-epoch (``contrastive_dist.lightning``). Read this file and
+``shared.py`` (shapes, backbone, flags, Trainer, report).
 
 One machine, CPU (2 processes, gloo) or all visible GPUs::
 
@@ -22,164 +24,292 @@ torchrun (Lightning reads the torchelastic environment; devices and nodes follow
     torchrun --standalone --nproc-per-node 2 recipes/clip.py --accelerator cpu
 
 Real data: ``--data csv:PATH`` with ``filepath`` and ``title`` columns (tab or comma separated;
-``--csv-image-column``/``--csv-caption-column`` rename them). Resume: ``--resume out/checkpoints/last.ckpt``.
+``--csv-image-column``/``--csv-caption-column`` rename them); the last ``--val-size`` rows are held
+out. Resume: ``--resume runs/clip/checkpoints/last.ckpt`` (mid-epoch is fine).
 """
 
 from __future__ import annotations
 
+import argparse
+import csv
 import math
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from base import RecipeModule  # noqa: E402
-from clip_data import CaptionCollate, build_datasets  # noqa: E402
-from common import (  # noqa: E402
-    base_parser,
-    check_children,
+from shared import (
+    BACKBONES,
+    ShapesDataset,
     fit,
-    last_values,
     make_trainer,
-    metrics_path,
+    normalize,
+    optimizer_and_schedule,
     plot_curves,
     print_summary,
     read_metrics,
+    small_image_resnet,
+    training_flags,
 )
-from models import BACKBONES, TextTransformer, small_image_resnet  # noqa: E402
-from shapes import chance_recall  # noqa: E402
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+from torchvision.transforms import v2
 
-from contrastive_dist import DistributedInfoNCE, convert_sync_batchnorm, retrieval_accuracy  # noqa: E402
+from contrastive_dist import DistributedInfoNCE, convert_sync_batchnorm, retrieval_accuracy
+from contrastive_dist.lightning import distributed_loader, step_sizes
 
-METRICS = ["val/image_to_text_r1", "val/image_to_text_r5", "val/text_to_image_r1", "val/text_to_image_r5"]
+# -- data -----------------------------------------------------------------------------------------
 
 
-class CLIP(RecipeModule):
+class ByteTokenizer:
+    """UTF-8 bytes as tokens (ids 3..258) between begin (1) and end (2), padded with 0: no vocabulary."""
+
+    pad, begin, end, vocab_size = 0, 1, 2, 259
+
+    def __init__(self, context_length: int) -> None:
+        self.context_length = context_length
+
+    def __call__(self, texts: list[str]) -> Tensor:
+        tokens = torch.full((len(texts), self.context_length), self.pad, dtype=torch.long)
+        for row, text in enumerate(texts):
+            ids = [self.begin, *(byte + 3 for byte in text.encode()[: self.context_length - 2]), self.end]
+            tokens[row, : len(ids)] = torch.tensor(ids)
+        return tokens
+
+
+class CaptionCollate:
+    """``(image uint8, caption, ..., index)`` items → ``(images, tokens, indices)``; picklable for workers."""
+
+    def __init__(self, context_length: int) -> None:
+        self.tokenize = ByteTokenizer(context_length)
+
+    def __call__(self, items: list[tuple[Any, ...]]) -> tuple[Tensor, Tensor, Tensor]:
+        images = normalize(torch.stack([item[0] for item in items]))
+        return images, self.tokenize([item[1] for item in items]), torch.tensor([item[-1] for item in items])
+
+
+class CsvCaptions(Dataset):
+    """``(image uint8 (3, S, S), caption, index)`` from rows ``(image path, caption)``; paths relative to ``root``."""
+
+    def __init__(self, rows: list[tuple[str, str]], root: Path, transform: v2.Transform) -> None:
+        self.rows, self.root, self.transform = rows, root, transform
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, str, int]:
+        from PIL import Image
+
+        path, text = self.rows[index]
+        with Image.open(self.root / path) as image:
+            return self.transform(image.convert("RGB")), text, index
+
+
+def shapes_data(location: str, args: argparse.Namespace) -> tuple[Dataset, Dataset]:
+    return (ShapesDataset("train", size=args.train_size, image_size=args.image_size, seed=args.seed),
+            ShapesDataset("val", size=args.val_size, image_size=args.image_size, seed=args.seed))
+
+
+def csv_data(location: str, args: argparse.Namespace) -> tuple[Dataset, Dataset]:
+    """open_clip's CSV layout; the last ``--val-size`` rows are held out. Errors say how to fix the input."""
+    path = Path(location).expanduser()
+    if not path.is_file():
+        raise ValueError(f"--data csv:{location}: no such file; give a CSV or TSV file whose header names the "
+                         f"image-path and caption columns ({args.csv_image_column!r}, {args.csv_caption_column!r})")
+    with open(path, newline="") as file:
+        delimiter = args.csv_separator or ("\t" if "\t" in file.readline() else ",")
+        file.seek(0)
+        reader = csv.DictReader(file, delimiter=delimiter)
+        columns = (args.csv_image_column, args.csv_caption_column)
+        if not set(columns) <= set(reader.fieldnames or []):
+            raise ValueError(f"{path}: expected columns {columns} in the header, found {reader.fieldnames}; "
+                             "rename them with --csv-image-column and --csv-caption-column")
+        rows = [(row[columns[0]], row[columns[1]]) for row in reader]
+    if len(rows) <= args.val_size:
+        raise ValueError(f"{path} has {len(rows)} rows, but the last --val-size={args.val_size} are held out and "
+                         "training needs at least one more: add rows or lower --val-size")
+    to_uint8 = [v2.ToImage(), v2.ToDtype(torch.uint8, scale=True)]
+    held_out = v2.Compose([v2.Resize(args.image_size, antialias=True), v2.CenterCrop(args.image_size), *to_uint8])
+    augment = v2.Compose([v2.RandomResizedCrop(args.image_size, scale=(0.7, 1.0), antialias=True), *to_uint8])
+    train = held_out if args.deterministic_data else augment
+    return (CsvCaptions(rows[: -args.val_size], path.parent, train),
+            CsvCaptions(rows[-args.val_size :], path.parent, held_out))
+
+
+# --data KIND[:LOCATION] → (train, held-out); a new source is one function and one entry here.
+DATA_SOURCES: dict[str, Callable[[str, argparse.Namespace], tuple[Dataset, Dataset]]] = {
+    "shapes": shapes_data,
+    "csv": csv_data,
+}
+
+# -- model ----------------------------------------------------------------------------------------
+
+
+class TextTransformer(nn.Module):
+    """A small pre-norm transformer over byte tokens, pooled at the end token as in CLIP: (n, L) → (n, width)."""
+
+    def __init__(self, *, width: int, context_length: int, layers: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(ByteTokenizer.vocab_size, width)
+        self.position = nn.Parameter(torch.randn(context_length, width) * 0.02)
+        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        if tokens.shape[0] == 0:
+            # Attention cannot take 0 rows; one padding row keeps every parameter in the graph (DDP
+            # needs this rank's backward to reach them) and is sliced away.
+            return self.forward(tokens.new_full((1, tokens.shape[1]), ByteTokenizer.end))[:0]
+        x = self.encoder(self.embed(tokens) + self.position, src_key_padding_mask=tokens == ByteTokenizer.pad)
+        end = (tokens == ByteTokenizer.end).float().argmax(dim=1)
+        return self.norm(x[torch.arange(tokens.shape[0]), end])
+
+
+class CLIP(L.LightningModule):
     """Two towers, a shared embedding space and a learnable temperature."""
 
-    def __init__(self, *, backbone: str, width: int, text_width: int, embed_dim: int, context_length: int,
-                 sync_bn: bool, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
-        image_tower, features = small_image_resnet(backbone, width=width)
-        self.image_tower = convert_sync_batchnorm(image_tower) if sync_bn else image_tower
-        self.image_projection = nn.Linear(features, embed_dim, bias=False)
-        self.text_tower = TextTransformer(width=text_width, context_length=context_length)
-        self.text_projection = nn.Linear(text_width, embed_dim, bias=False)
+    def __init__(self, args: argparse.Namespace, train_set: Dataset, val_set: Dataset) -> None:
+        super().__init__()
+        self.args, self.train_set, self.val_set = args, train_set, val_set
+        image_tower, features = small_image_resnet(args.backbone, width=args.width)
+        self.image_tower = image_tower if args.no_sync_bn else convert_sync_batchnorm(image_tower)
+        self.image_projection = nn.Linear(features, args.embed_dim, bias=False)
+        self.text_tower = TextTransformer(width=args.text_width, context_length=args.context_length)
+        self.text_projection = nn.Linear(args.text_width, args.embed_dim, bias=False)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
         self.loss = DistributedInfoNCE()
-        self._val_features: list[tuple[Tensor, Tensor]] = []
+        self.collate = CaptionCollate(args.context_length)
+        self.top_k = (1, 5) if len(val_set) >= 5 else (1,)  # type: ignore[arg-type]
+        self.val_features: list[tuple[Tensor, Tensor]] = []
+
+    def train_dataloader(self) -> Any:
+        return distributed_loader(self.train_set, self.trainer, batch_size=self.args.batch_size, seed=self.args.seed,
+                                  collate_fn=self.collate, num_workers=self.args.num_workers)
+
+    def val_dataloader(self) -> Any:
+        return distributed_loader(self.val_set, self.trainer, batch_size=self.args.batch_size, shuffle=False,
+                                  collate_fn=self.collate, num_workers=self.args.num_workers)
 
     def encode(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         image = self.image_projection(self.image_tower(images))
         text = self.text_projection(self.text_tower(tokens))
         return F.normalize(image.float(), dim=-1), F.normalize(text.float(), dim=-1)
 
-    def shared_step(self, batch: tuple[Tensor, Tensor, Tensor], sizes: tuple[int, ...]) -> Tensor:
-        images, tokens, _ = batch
+    def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
+        images, tokens, _ = batch  # the last step of an epoch may leave this rank 0 rows
         image, text = self.encode(images, tokens)
-        # CLIP clamps the temperature at 100; a clamp in the graph keeps the parameter untouched.
-        scale = self.logit_scale.clamp(max=math.log(100)).exp()
+        scale = self.logit_scale.clamp(max=math.log(100)).exp()  # CLIP's clamp, inside the graph
+        # The mean over ranks of the per-rank losses is the single-process loss of the global batch.
+        loss = self.loss(image, text, scale, sizes=step_sizes(self.trainer, batch_idx))
+        self.log("train/loss", loss.detach(), sync_dist=True, prog_bar=True)
         self.log("train/logit_scale", scale.detach(), rank_zero_only=True)
-        return self.loss(image, text, scale, sizes=sizes)
-
-    def sample_ids(self, batch: tuple[Tensor, Tensor, Tensor]) -> list[int]:
-        return batch[2].tolist()
+        return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
-        self._val_features.append(self.encode(batch[0], batch[1]))
+        self.val_features.append(self.encode(batch[0], batch[1]))
 
     def on_validation_epoch_end(self) -> None:
-        image = torch.cat([pair[0] for pair in self._val_features])
-        text = torch.cat([pair[1] for pair in self._val_features])
-        self._val_features.clear()
+        image, text = (torch.cat(parts) for parts in zip(*self.val_features))
+        self.val_features.clear()
         # Every rank gathers the whole held-out split: exact recall, the same value on every rank.
-        for key, value in retrieval_accuracy(image, text, top_k=(1, 5)).items():
-            self.log(f"val/{key}", value, prog_bar=key.endswith("r1"), sync_dist=True)  # equal on all ranks
+        for key, value in retrieval_accuracy(image, text, top_k=self.top_k).items():
+            self.log(f"val/{key}", value, prog_bar=key.endswith("r1"), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return optimizer_and_schedule(self, self.args)
 
 
-def retrieval_grid(model: CLIP, dataset: object, path: Path, *, count: int = 8) -> None:
-    """Held-out images with their top-3 retrieved captions (green: the right one)."""
+def retrieval_grid(model: CLIP, dataset: Any, path: Path, *, panels: int = 8) -> None:
+    """Held-out images with their top-3 retrieved captions: the right one marked, the true one shown if missed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    collate = model.collate
-    items = [dataset[i] for i in range(len(dataset))]  # type: ignore[index, arg-type]
-    images, tokens, _ = collate(items)
+    items = [dataset[i] for i in range(len(dataset))]
+    images, tokens, _ = model.collate(items)
     model.eval()
     with torch.no_grad():
         image, text = model.encode(images, tokens)
-    top3 = (image[:count] @ text.T).topk(3, dim=1).indices
-    figure, axes = plt.subplots(2, count // 2, figsize=(3.2 * count // 2, 7))
-    for i, axis in enumerate(axes.flat):
-        axis.imshow(items[i][0].permute(1, 2, 0).numpy())
-        axis.set_xticks([]), axis.set_yticks([])
-        lines = [(items[j][1], j == i) for j in top3[i].tolist()]
-        axis.set_title("\n".join(f"{k + 1}. {text}" for k, (text, _) in enumerate(lines)), fontsize=7,
-                       color="green" if lines[0][1] else "red")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    panels, top = min(panels, len(items)), min(3, len(items))
+    retrieved = (image[:panels] @ text.T).topk(top, dim=1).indices.tolist()
+    columns = min(panels, 4)
+    rows = -(-panels // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(max(3.3 * columns, 8), 3.6 * rows + 0.7), squeeze=False)
+    for axis in axes.flat:
+        axis.axis("off")
+    for i, axis in enumerate(axes.flat[:panels]):
+        axis.imshow(items[i][0].permute(1, 2, 0).numpy(), interpolation="nearest")
+        lines = [(f"{'✓' if j == i else '✗'} {k + 1}. {items[j][1][:42]}", "green" if j == i else "dimgray")
+                 for k, j in enumerate(retrieved[i])]
+        if i not in retrieved[i]:
+            lines.append((f"true: {items[i][1][:42]}", "crimson"))
+        for row, (line, colour) in enumerate(lines):
+            axis.text(0.0, -0.05 - 0.1 * row, line, transform=axis.transAxes, va="top", fontsize=7, color=colour)
+    figure.suptitle(f"held-out images and their top-{top} retrieved captions\n✓ green: the right caption   "
+                    "✗ grey: a wrong one   red 'true:': the right caption, when it is not among them", fontsize=9)
+    figure.subplots_adjust(left=0.02, right=0.98, top=0.86, bottom=0.12, hspace=0.75, wspace=0.15)
+    figure.savefig(path, dpi=110, bbox_inches="tight")  # the caption lines sit below the axes
     plt.close(figure)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = base_parser(__doc__.splitlines()[0], batch_size=64, lr=2e-3, max_steps=400, val_every=50)
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    training_flags(parser, batch_size=64, lr=2e-3, max_steps=400, val_every=50)
     data = parser.add_argument_group("data and model")
     data.add_argument("--data", default="shapes", help="'shapes' (generated, offline) or 'csv:PATH'")
-    data.add_argument("--csv-image-column", default="filepath")
-    data.add_argument("--csv-caption-column", default="title")
+    data.add_argument("--csv-image-column", default="filepath", help="CSV column of image paths (relative to the CSV)")
+    data.add_argument("--csv-caption-column", default="title", help="CSV column of captions")
     data.add_argument("--csv-separator", default=None, help="default: tab if the header has one, else comma")
     data.add_argument("--deterministic-data", action="store_true",
                       help="no random augmentation of CSV images (the generated shapes have none)")
-    data.add_argument("--image-size", type=int, default=32)
+    data.add_argument("--image-size", type=int, default=32, help="image side in pixels")
     data.add_argument("--train-size", type=int, default=8192, help="generated training samples")
-    data.add_argument("--val-size", type=int, default=256, help="held-out samples (distinct captions)")
-    data.add_argument("--backbone", choices=BACKBONES, default="resnet-small")
+    data.add_argument("--val-size", type=int, default=256, help="held-out samples (distinct captions; CSV: last rows)")
+    data.add_argument("--backbone", choices=BACKBONES, default="resnet-small", help="image tower")
     data.add_argument("--width", type=int, default=16, help="resnet-small base width")
-    data.add_argument("--text-width", type=int, default=64)
-    data.add_argument("--embed-dim", type=int, default=64)
+    data.add_argument("--text-width", type=int, default=64, help="text transformer width")
+    data.add_argument("--embed-dim", type=int, default=64, help="shared embedding dimension")
     data.add_argument("--context-length", type=int, default=48, help="text tokens (UTF-8 bytes + 2)")
     args = parser.parse_args(argv)
     args.output_dir = args.output_dir or Path("runs/clip")
+    return args
+
+
+def main(argv: Sequence[str] | None = None, callbacks: Sequence[L.Callback] = ()) -> None:
     start = time.perf_counter()
-
-    import lightning as L
-
+    args = parse_args(argv)
     L.seed_everything(args.seed, workers=True, verbose=False)
-    train_set, val_set = build_datasets(
-        args.data, image_size=args.image_size, train_size=args.train_size, val_size=args.val_size, seed=args.seed,
-        image_column=args.csv_image_column, caption_column=args.csv_caption_column, separator=args.csv_separator,
-        deterministic=args.deterministic_data,
-    )
-    model = CLIP(
-        backbone=args.backbone, width=args.width, text_width=args.text_width, embed_dim=args.embed_dim,
-        context_length=args.context_length, sync_bn=not args.no_sync_bn, train_set=train_set, val_set=val_set,
-        collate=CaptionCollate(context_length=args.context_length), batch_size=args.batch_size, seed=args.seed,
-        num_workers=args.num_workers, optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
-    )
-    trainer = make_trainer(args, monitor="val/image_to_text_r1")
-    fit(trainer, model, args)
-    if not trainer.is_global_zero:
+    kind, _, location = args.data.partition(":")
+    if kind not in DATA_SOURCES:
+        sys.exit(f"error: --data must be one of {sorted(DATA_SOURCES)} (with ':PATH' where needed), got {args.data!r}")
+    try:
+        train_set, val_set = DATA_SOURCES[kind](location, args)
+    except (OSError, ValueError) as error:
+        sys.exit(f"error: {error}")
+    model = CLIP(args, train_set, val_set)
+    trainer = make_trainer(args, monitor="val/image_to_text_r1", callbacks=callbacks)
+    if not fit(trainer, model, args):
         return
-    check_children(trainer)
-    rows = read_metrics(trainer)
-    files = {"metrics": metrics_path(trainer),
+    n = len(val_set)  # type: ignore[arg-type]
+    chance = {f"val/{direction}_r{k}": min(k, n) / n for direction in ("image_to_text", "text_to_image")
+              for k in model.top_k}
+    files = {"metrics": Path(trainer.loggers[0].log_dir or ".") / "metrics.csv",
              "checkpoints": args.output_dir / "checkpoints"}
+    rows = read_metrics(args.output_dir)
     if not args.no_plots:
         files["curves"] = args.output_dir / "curves.png"
-        plot_curves(rows, METRICS, files["curves"], f"CLIP on {args.data}")
+        plot_curves(rows, list(chance), files["curves"], f"CLIP on {args.data}")
         files["retrievals"] = args.output_dir / "retrievals.png"
         retrieval_grid(model.cpu(), val_set, files["retrievals"])
-    n = len(val_set)  # type: ignore[arg-type]
-    chance = {key: chance_recall(int(key[-1]), n) for key in METRICS}
-    print_summary(f"CLIP, held-out split of {n}", last_values(rows, METRICS), chance,
-                  time.perf_counter() - start, files, trainer.world_size)
+    print_summary(f"CLIP, held-out split of {n}", rows, chance, trainer=trainer,
+                  seconds=time.perf_counter() - start, files=files)
 
 
 if __name__ == "__main__":

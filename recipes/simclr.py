@@ -5,8 +5,10 @@ grayscale, blur), a torchvision ResNet for small images, a projection head with 
 :func:`contrastive_dist.convert_sync_batchnorm` applied to the whole model (exact global batch
 statistics; ``--no-sync-bn`` to keep per-rank ones). Evaluation: weighted k-NN on the backbone
 features of held-out images against a labelled bank, gathered from every rank; reported against
-chance. Default data: the generated shapes on a plain background (label: the shape, one of 5;
-colour, size and position are what the augmentations teach the features to ignore), no download.
+the majority class. Default data: the generated shapes on a plain background (label: the shape,
+one of 5; colour, size and position are what the augmentations teach the features to ignore), no
+download. Loading is drop-last-free and resumable mid-epoch (``contrastive_dist.lightning``).
+Read this file and ``shared.py`` (shapes, backbone, flags, Trainer, report).
 
 One machine, CPU (2 processes, gloo) or all visible GPUs::
 
@@ -25,107 +27,215 @@ torchrun (Lightning reads the torchelastic environment)::
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from base import RecipeModule  # noqa: E402
-from common import (  # noqa: E402
-    base_parser,
-    check_children,
+from einops import rearrange
+from shared import (
+    BACKBONES,
+    SHAPES,
+    ShapesDataset,
     fit,
-    last_values,
     make_trainer,
-    metrics_path,
+    normalize,
+    optimizer_and_schedule,
     plot_curves,
     print_summary,
     read_metrics,
+    small_image_resnet,
+    training_flags,
 )
-from models import BACKBONES, projection_head, small_image_resnet  # noqa: E402
-from simclr_data import KnnSplit, TwoViews, build, normalize, simclr_augment  # noqa: E402
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+from torchvision.transforms import v2
 
-from contrastive_dist import NTXentLoss, all_gather_many, convert_sync_batchnorm  # noqa: E402
+from contrastive_dist import NTXentLoss, all_gather_many, convert_sync_batchnorm
+from contrastive_dist.lightning import distributed_loader, step_sizes
 
-METRICS = ["val/knn_accuracy"]
-
-
-class ViewsCollate:
-    """``(view, view, index)`` items → ``(views1, views2, indices)``; picklable."""
-
-    def __call__(self, items: list[tuple[Tensor, Tensor, int]]) -> tuple[Tensor, Tensor, Tensor]:
-        return (normalize(torch.stack([item[0] for item in items])),
-                normalize(torch.stack([item[1] for item in items])),
-                torch.tensor([item[2] for item in items], dtype=torch.long))
+# -- data -----------------------------------------------------------------------------------------
 
 
-class KnnCollate:
-    """``(image, label, is_query, index)`` items → tensors; picklable."""
+class Images(Dataset):
+    """``(uint8 image (3, S, S), label)`` from shapes, an ImageFolder or CIFAR-10, restricted to ``indices``."""
 
-    def __call__(self, items: list[tuple[Tensor, int, int, int]]) -> tuple[Tensor, Tensor, Tensor]:
-        return (normalize(torch.stack([item[0] for item in items])),
-                torch.tensor([item[1] for item in items], dtype=torch.long),
-                torch.tensor([item[2] for item in items], dtype=torch.long))
+    def __init__(self, source: Any, indices: Sequence[int], image_size: int) -> None:
+        self.source, self.indices = source, list(indices)
+        self.to_tensor = v2.Compose([v2.ToImage(), v2.ToDtype(torch.uint8, scale=True),
+                                     v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size)])
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        item = self.source[self.indices[index]]
+        image = item[0] if isinstance(item[0], Tensor) else self.to_tensor(item[0])
+        return image, int(item[2] if isinstance(self.source, ShapesDataset) else item[1])
+
+
+class TwoViews(Dataset):
+    """Training items ``(view, view, index)``; ``augment=None`` gives two identical views."""
+
+    def __init__(self, images: Images, augment: v2.Transform | None) -> None:
+        self.images, self.augment = images, augment
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor, int]:
+        image, _ = self.images[index]
+        if self.augment is None:
+            return image, image, index
+        return self.augment(image), self.augment(image), index
+
+
+class KnnSplit(Dataset):
+    """Evaluation items ``(image, label, is_query)``: the labelled bank first, then the queries."""
+
+    def __init__(self, bank: Images, queries: Images) -> None:
+        self.bank, self.queries = bank, queries
+
+    def __len__(self) -> int:
+        return len(self.bank) + len(self.queries)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int, int]:
+        is_query = index >= len(self.bank)
+        image, label = self.queries[index - len(self.bank)] if is_query else self.bank[index]
+        return image, label, int(is_query)
+
+
+def collate(items: list[tuple[Any, ...]]) -> tuple[Tensor, ...]:
+    """Field by field: uint8 images → normalised float batches, ints → int64 tensors; picklable for workers."""
+    return tuple(normalize(torch.stack(field)) if isinstance(field[0], Tensor) else torch.tensor(field)
+                 for field in zip(*items))
+
+
+def simclr_augment(args: argparse.Namespace) -> v2.Transform:
+    """SimCLR's view distribution on uint8 tensors; ``--hue 0.5`` (any hue) stops colour telling images apart."""
+    return v2.Compose([
+        v2.RandomResizedCrop(args.image_size, scale=(args.min_crop, 1.0), antialias=True),
+        v2.RandomHorizontalFlip(),
+        v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, args.hue)], p=0.8),
+        v2.RandomGrayscale(p=0.2),
+        v2.RandomApply([v2.GaussianBlur(3, sigma=(0.1, 2.0))], p=0.5),
+    ])
+
+
+def shapes_data(location: str, args: argparse.Namespace) -> tuple[Images, Images, Images, int]:
+    # A plain background by default: a per-image tint or noise pattern, shared by an image's two
+    # views, would let the loss tell images apart without looking at the shape.
+    background = {"background_noise": args.background_noise, "tint_spread": args.tint_spread}
+    train = ShapesDataset("train", size=args.train_size, image_size=args.image_size, seed=args.seed, **background)
+    held_out = ShapesDataset("val", size=args.val_size, image_size=args.image_size, seed=args.seed, **background)
+    return (Images(train, range(args.train_size), args.image_size),
+            Images(train, range(min(args.bank_size, args.train_size)), args.image_size),
+            Images(held_out, range(args.val_size), args.image_size), len(SHAPES))
+
+
+def cifar10_data(location: str, args: argparse.Namespace) -> tuple[Images, Images, Images, int]:
+    import torchvision
+
+    train = torchvision.datasets.CIFAR10(location, train=True, download=args.download)
+    test = torchvision.datasets.CIFAR10(location, train=False, download=args.download)
+    bank = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))[: args.bank_size]
+    return (Images(train, range(len(train)), args.image_size), Images(train, bank.tolist(), args.image_size),
+            Images(test, range(min(args.val_size, len(test))), args.image_size), 10)
+
+
+def imagefolder_data(location: str, args: argparse.Namespace) -> tuple[Images, Images, Images, int]:
+    import torchvision
+
+    folder = torchvision.datasets.ImageFolder(Path(location).expanduser())
+    order = torch.randperm(len(folder), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    if len(order) <= args.val_size:
+        raise ValueError(f"{location} has {len(order)} images; need more than --val-size={args.val_size}: "
+                         "add images or lower --val-size")
+    train, queries = order[: -args.val_size], order[-args.val_size :]
+    return (Images(folder, train, args.image_size), Images(folder, train[: args.bank_size], args.image_size),
+            Images(folder, queries, args.image_size), len(folder.classes))
+
+
+# --data KIND[:LOCATION] → (train, k-NN bank, k-NN queries, classes); a new source is one function and one entry.
+DATA_SOURCES: dict[str, Callable[[str, argparse.Namespace], tuple[Images, Images, Images, int]]] = {
+    "shapes": shapes_data,
+    "cifar10": cifar10_data,
+    "imagefolder": imagefolder_data,
+}
+
+# -- model ----------------------------------------------------------------------------------------
 
 
 def knn_accuracy(bank: Tensor, bank_labels: Tensor, queries: Tensor, query_labels: Tensor, *, classes: int,
                  k: int = 20, temperature: float = 0.1) -> float:
-    """Similarity-weighted k-NN vote (as in instance-discrimination papers) on normalized features."""
+    """Similarity-weighted k-NN vote (as in instance-discrimination papers) on normalised features."""
     similarity, neighbours = (queries @ bank.T).topk(min(k, len(bank)), dim=1)
     weights = (similarity / temperature).exp()
     votes = torch.zeros(len(queries), classes).scatter_add_(1, bank_labels[neighbours], weights)
     return (votes.argmax(1) == query_labels).float().mean().item()
 
 
-class SimCLR(RecipeModule):
+class SimCLR(L.LightningModule):
     """Backbone + BatchNorm projection head; the loss pairs the two views of each image."""
 
-    def __init__(self, *, backbone: str, width: int, hidden: int, out: int, temperature: float, sync_bn: bool,
-                 classes: int, stem_stride: int = 2, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
-        self.backbone, features = small_image_resnet(backbone, width=width, stem_stride=stem_stride)
-        self.head: nn.Module = projection_head(features, hidden, out)
-        if sync_bn:
+    def __init__(self, args: argparse.Namespace, train_set: Dataset, val_set: Dataset, classes: int) -> None:
+        super().__init__()
+        self.args, self.train_set, self.val_set, self.classes = args, train_set, val_set, classes
+        self.backbone, features = small_image_resnet(args.backbone, width=args.width, stem_stride=args.stem_stride)
+        self.head: nn.Module = nn.Sequential(nn.Linear(features, args.hidden, bias=False), nn.BatchNorm1d(args.hidden),
+                                             nn.ReLU(inplace=True), nn.Linear(args.hidden, args.out))
+        if not args.no_sync_bn:  # exact global BatchNorm statistics, as SimCLR's "global BN"
             self.backbone, self.head = convert_sync_batchnorm(self.backbone), convert_sync_batchnorm(self.head)
-        self.loss = NTXentLoss(temperature=temperature)
-        self.classes = classes
-        self._val: list[tuple[Tensor, Tensor, Tensor]] = []
+        self.loss = NTXentLoss(temperature=args.temperature)
+        self.val_parts: list[tuple[Tensor, Tensor, Tensor]] = []
 
-    def shared_step(self, batch: tuple[Tensor, Tensor, Tensor], sizes: tuple[int, ...]) -> Tensor:
-        views1, views2, _ = batch
-        n = views1.shape[0]
+    def train_dataloader(self) -> Any:
+        return distributed_loader(self.train_set, self.trainer, batch_size=self.args.batch_size, seed=self.args.seed,
+                                  collate_fn=collate, num_workers=self.args.num_workers)
+
+    def val_dataloader(self) -> Any:
+        return distributed_loader(self.val_set, self.trainer, batch_size=self.args.batch_size, shuffle=False,
+                                  collate_fn=collate, num_workers=self.args.num_workers)
+
+    def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
+        views1, views2, _ = batch  # the last step of an epoch may leave this rank 0 images
         # Both views in one forward: BatchNorm sees the 2·N images of the global batch, as in SimCLR.
-        projections = self.head(self.backbone(torch.cat([views1, views2]))).float()
-        return self.loss(projections[:n], projections[n:], sizes=sizes)
-
-    def sample_ids(self, batch: tuple[Tensor, Tensor, Tensor]) -> list[int]:
-        return batch[2].tolist()
+        views = rearrange([views1, views2], "view n c h w -> (view n) c h w")
+        projections = rearrange(self.head(self.backbone(views)).float(), "(view n) d -> view n d", view=2)
+        loss = self.loss(projections[0], projections[1], sizes=step_sizes(self.trainer, batch_idx))
+        self.log("train/loss", loss.detach(), sync_dist=True, prog_bar=True)
+        return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
         images, labels, is_query = batch
-        self._val.append((F.normalize(self.backbone(images).float(), dim=-1), labels, is_query))
+        self.val_parts.append((F.normalize(self.backbone(images).float(), dim=-1), labels, is_query))
 
     def on_validation_epoch_end(self) -> None:
-        features, labels, is_query = (torch.cat(parts) for parts in zip(*self._val))
-        self._val.clear()
-        features, labels, is_query = all_gather_many((features, labels, is_query)).tensors
+        features, labels, is_query = (torch.cat(parts) for parts in zip(*self.val_parts))
+        self.val_parts.clear()
+        features, labels, is_query = all_gather_many((features, labels, is_query)).tensors  # every rank's share
         query = is_query.bool()
         accuracy = knn_accuracy(features[~query], labels[~query], features[query], labels[query], classes=self.classes)
-        self.log("val/knn_accuracy", accuracy, prog_bar=True, sync_dist=True)  # equal on all ranks
+        self.log("val/knn_accuracy", accuracy, prog_bar=True, sync_dist=True)  # the same on every rank
+
+    def configure_optimizers(self) -> Any:
+        return optimizer_and_schedule(self, self.args)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = base_parser(__doc__.splitlines()[0], batch_size=64, lr=2e-3, max_steps=200, val_every=50)
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    training_flags(parser, batch_size=64, lr=2e-3, max_steps=200, val_every=50)
     data = parser.add_argument_group("data and model")
-    data.add_argument("--data", default="shapes",
-                      help="'shapes' (generated, offline), 'imagefolder:PATH', 'cifar10:ROOT'")
+    data.add_argument("--data", default="shapes", help="'shapes' (generated, offline), 'imagefolder:PATH', "
+                      "'cifar10:ROOT'")
     data.add_argument("--download", action="store_true", help="allow downloading CIFAR-10")
-    data.add_argument("--image-size", type=int, default=32)
+    data.add_argument("--image-size", type=int, default=32, help="image side in pixels")
     data.add_argument("--train-size", type=int, default=8192, help="generated training samples")
     data.add_argument("--val-size", type=int, default=500, help="held-out query images")
     data.add_argument("--bank-size", type=int, default=8192,
@@ -138,48 +248,44 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--hue", type=float, default=0.5,
                       help="ColorJitter hue range; 0.5 (any hue) makes the shape, not its colour, what views share")
     data.add_argument("--deterministic-data", action="store_true", help="no augmentation (two identical views)")
-    data.add_argument("--backbone", choices=BACKBONES, default="resnet-small")
+    data.add_argument("--backbone", choices=BACKBONES, default="resnet-small", help="image backbone")
     data.add_argument("--width", type=int, default=16, help="resnet-small base width")
     data.add_argument("--stem-stride", type=int, choices=(1, 2), default=1,
                       help="resnet-small stem stride; 1 keeps full resolution for shapes a few pixels wide")
-    data.add_argument("--hidden", type=int, default=256)
-    data.add_argument("--out", type=int, default=64)
-    data.add_argument("--temperature", type=float, default=0.5)
+    data.add_argument("--hidden", type=int, default=256, help="projection head hidden width")
+    data.add_argument("--out", type=int, default=64, help="projection dimension")
+    data.add_argument("--temperature", type=float, default=0.5, help="NT-Xent temperature")
     args = parser.parse_args(argv)
     args.output_dir = args.output_dir or Path("runs/simclr")
+    return args
+
+
+def main(argv: Sequence[str] | None = None, callbacks: Sequence[L.Callback] = ()) -> None:
     start = time.perf_counter()
-
-    import lightning as L
-
+    args = parse_args(argv)
     L.seed_everything(args.seed, workers=True, verbose=False)
-    train, bank, queries, classes = build(args.data, image_size=args.image_size, train_size=args.train_size,
-                                          val_size=args.val_size, bank_size=args.bank_size, seed=args.seed,
-                                          download=args.download, background_noise=args.background_noise,
-                                          tint_spread=args.tint_spread)
-    augment = simclr_augment(args.image_size, min_scale=args.min_crop, hue=args.hue)
-    augment = None if args.deterministic_data else augment
-    model = SimCLR(
-        backbone=args.backbone, width=args.width, stem_stride=args.stem_stride, hidden=args.hidden, out=args.out,
-        temperature=args.temperature,
-        sync_bn=not args.no_sync_bn, classes=classes, val_collate=KnnCollate(), train_set=TwoViews(train, augment),
-        val_set=KnnSplit(bank, queries), collate=ViewsCollate(), batch_size=args.batch_size, seed=args.seed,
-        num_workers=args.num_workers, optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
-    )
-    trainer = make_trainer(args, monitor="val/knn_accuracy")
-    fit(trainer, model, args)
-    if not trainer.is_global_zero:
+    kind, _, location = args.data.partition(":")
+    if kind not in DATA_SOURCES:
+        sys.exit(f"error: --data must be one of {sorted(DATA_SOURCES)} (with ':PATH' where needed), got {args.data!r}")
+    try:
+        train, bank, queries, classes = DATA_SOURCES[kind](location, args)
+    except (OSError, ValueError, RuntimeError) as error:  # torchvision: RuntimeError for a missing CIFAR-10
+        sys.exit(f"error: {error}")
+    augment = None if args.deterministic_data else simclr_augment(args)
+    model = SimCLR(args, TwoViews(train, augment), KnnSplit(bank, queries), classes)
+    trainer = make_trainer(args, monitor="val/knn_accuracy", callbacks=callbacks)
+    if not fit(trainer, model, args):
         return
-    check_children(trainer)
-    rows = read_metrics(trainer)
-    files = {"metrics": metrics_path(trainer),
+    labels = torch.tensor([queries[i][1] for i in range(len(queries))])
+    chance = {"val/knn_accuracy": torch.bincount(labels, minlength=classes).max().item() / len(queries)}  # majority
+    files = {"metrics": Path(trainer.loggers[0].log_dir or ".") / "metrics.csv",
              "checkpoints": args.output_dir / "checkpoints"}
+    rows = read_metrics(args.output_dir)
     if not args.no_plots:
         files["curves"] = args.output_dir / "curves.png"
-        plot_curves(rows, METRICS, files["curves"], f"SimCLR on {args.data} (k-NN on held-out labels)")
-    counts = torch.bincount(torch.tensor([queries.image(i)[1] for i in range(len(queries))]), minlength=classes)
-    chance = {"val/knn_accuracy": counts.max().item() / len(queries)}  # majority class
-    print_summary(f"SimCLR, {len(queries)} held-out queries, {classes} classes", last_values(rows, METRICS), chance,
-                  time.perf_counter() - start, files, trainer.world_size)
+        plot_curves(rows, list(chance), files["curves"], f"SimCLR on {args.data} (k-NN on held-out labels)")
+    print_summary(f"SimCLR, {len(queries)} held-out queries, {classes} classes", rows, chance, trainer=trainer,
+                  seconds=time.perf_counter() - start, files=files)
 
 
 if __name__ == "__main__":

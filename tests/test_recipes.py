@@ -13,45 +13,96 @@ import pytest
 import torch
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+HOOKS = Path(__file__).resolve().parent / "recipe_hooks.py"
 TINY_CLIP = ["--image-size", "16", "--width", "4", "--text-width", "16", "--embed-dim", "16",
              "--context-length", "40", "--accelerator", "cpu"]
 TINY_SIMCLR = ["--image-size", "16", "--width", "4", "--hidden", "16", "--out", "8", "--accelerator", "cpu"]
 
 
 def run(recipe: str, *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: int = 150,
-        check: bool = True) -> subprocess.CompletedProcess[str]:
+        check: bool = True, hooks: bool = False) -> subprocess.CompletedProcess[str]:
+    """``python recipes/<recipe> args``, output redirected as to a log file; ``hooks``: via tests/recipe_hooks.py."""
     environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    result = subprocess.run([sys.executable, str(RECIPES / recipe), *args], cwd=cwd, env=environment,
+    command = [str(HOOKS), recipe.removesuffix(".py")] if hooks else [str(RECIPES / recipe)]
+    result = subprocess.run([sys.executable, *command, *args], cwd=cwd, env=environment,
                             capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"exit code {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
 
 
-def metrics(output_dir: Path) -> list[dict[str, str]]:
-    (path,) = output_dir.glob("logs/version_*/metrics.csv")
-    with open(path) as file:
+def metrics(output_dir: Path, version: int = 0) -> list[dict[str, str]]:
+    with open(output_dir / f"logs/version_{version}/metrics.csv") as file:
         return list(csv.DictReader(file))
+
+
+def check_summary(result: subprocess.CompletedProcess[str]) -> str:
+    """The end-of-run summary: present, free of NaN, and no progress bar in redirected output."""
+    summary = result.stdout[result.stdout.index("== "):]
+    assert "chance" in summary and "done in" in summary and "nan" not in summary.lower(), summary
+    assert "it/s" not in result.stdout + result.stderr and len(result.stdout + result.stderr) < 20_000
+    return summary
 
 
 def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
 
 
-def test_clip_end_to_end(tmp_path: Path) -> None:
-    assert "--num-nodes" in run("clip.py", "--help", cwd=tmp_path).stdout
+def test_clip_end_to_end_and_resumed_curves_cover_the_whole_run(tmp_path: Path, monkeypatch) -> None:
+    usage = run("clip.py", "--help", cwd=tmp_path).stdout
+    assert "--num-nodes" in usage and "(default: filepath)" in usage and "(default: title)" in usage
     out = tmp_path / "out"
-    result = run("clip.py", *TINY_CLIP, "--train-size", "60", "--val-size", "24", "--batch-size", "8",
-                 "--max-steps", "6", "--val-every", "3", "--output-dir", str(out), cwd=tmp_path)
-    rows = metrics(out)
-    losses = [row for row in rows if row.get("train/loss")]
-    recalls = [float(row["val/image_to_text_r5"]) for row in rows if row.get("val/image_to_text_r5")]
-    assert losses and len(recalls) == 2 and all(0 <= value <= 1 for value in recalls)
+    common = [*TINY_CLIP, "--train-size", "60", "--val-size", "24", "--batch-size", "8", "--val-every", "3",
+              "--output-dir", str(out)]
+    result = run("clip.py", *common, "--max-steps", "4", cwd=tmp_path)
+    recalls = [float(row["val/image_to_text_r5"]) for row in metrics(out) if row.get("val/image_to_text_r5")]
+    assert len(recalls) == 2 and all(0 <= value <= 1 for value in recalls)  # at step 3 and after the last, 4
     for name in ("curves.png", "retrievals.png", "checkpoints/last.ckpt", "checkpoints/best.ckpt"):
         assert (out / name).stat().st_size > 0, name
     assert list(out.glob("tensorboard/version_*/events.*"))
-    assert "chance" in result.stdout and "done in" in result.stdout
+    assert "4 steps ==" in check_summary(result)
+    assert "weights_only" not in result.stdout + result.stderr
     assert weights(out / "checkpoints/last.ckpt")["logit_scale"].ndim == 0
+
+    result = run("clip.py", *common, "--max-steps", "7", "--resume", str(out / "checkpoints/last.ckpt"), cwd=tmp_path)
+    assert "steps 5-7 (resumed; the run has 7 steps)" in check_summary(result)
+    monkeypatch.syspath_prepend(str(RECIPES))
+    from shared import read_metrics
+
+    first, resumed = metrics(out, 0), metrics(out, 1)
+    assert max(int(row["step"]) for row in first) < min(int(row["step"]) for row in resumed)
+    whole = read_metrics(out)  # what curves.png plots: both invocations
+    assert {row["step"] for row in whole} == {float(row["step"]) for row in first + resumed}
+    assert [row["step"] + 1 for row in whole if "val/image_to_text_r1" in row] == [3, 4, 6, 7]
+
+
+def test_clip_on_csv_with_tiny_held_out_splits_and_short_runs(tmp_path: Path) -> None:
+    from PIL import Image
+
+    colours = ["red", "green", "blue", "yellow", "white", "black", "orange", "purple", "cyan", "gray"]
+    for index, colour in enumerate(colours):
+        Image.new("RGB", (20, 24), colour).save(tmp_path / f"{index}.png")
+    table = tmp_path / "pairs.csv"
+    table.write_text("filepath,title\n" + "".join(f"{i}.png,a plain {colour} picture\n"
+                                                   for i, colour in enumerate(colours)))
+    for val_size in ("2", "4"):
+        # 2 steps, below --val-every (50): the run still ends with a validation and writes best.ckpt.
+        out = tmp_path / f"val{val_size}"
+        result = run("clip.py", *TINY_CLIP, "--data", f"csv:{table}", "--val-size", val_size, "--batch-size", "2",
+                     "--max-steps", "2", "--output-dir", str(out), cwd=tmp_path)
+        summary = check_summary(result)
+        assert "image_to_text_r1" in summary and "image_to_text_r5" not in summary  # top-k only for k <= split
+        assert (out / "checkpoints/best.ckpt").exists() and (out / "retrievals.png").stat().st_size > 0
+
+
+def test_clip_bad_csv_ends_in_one_line(tmp_path: Path) -> None:
+    missing = run("clip.py", "--data", "csv:nowhere.csv", cwd=tmp_path, check=False)
+    (tmp_path / "few.csv").write_text("filepath,title\na.png,one\nb.png,two\n")
+    few = run("clip.py", "--data", f"csv:{tmp_path / 'few.csv'}", "--val-size", "2", cwd=tmp_path, check=False)
+    for result, cause in ((missing, "no such file"), (few, "has 2 rows")):
+        assert result.returncode != 0 and "Traceback" not in result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith("error: ") and cause in line
 
 
 def test_simclr_end_to_end(tmp_path: Path) -> None:
@@ -62,41 +113,46 @@ def test_simclr_end_to_end(tmp_path: Path) -> None:
     assert len(accuracies) == 2 and all(0 <= value <= 1 for value in accuracies)
     state = weights(out / "checkpoints/last.ckpt")
     assert any(key.endswith("running_mean") for key in state)
-    assert (out / "curves.png").exists() and "knn_accuracy" in result.stdout
+    assert (out / "curves.png").exists() and "knn_accuracy" in check_summary(result)
 
 
 def test_two_processes_train_to_the_weights_of_one(tmp_path: Path) -> None:
     # 33 samples, global batch 16: steps of 16, 16, 1 per epoch; the last step splits [1, 0]
     # (32-pixel images keep a 2×2 last feature map, so BatchNorm has 4 values per channel then).
     common = [*TINY_CLIP, "--image-size", "32", "--train-size", "33", "--val-size", "8",
-              "--optimizer", "sgd", "--lr", "0.5",              "--max-steps", "6", "--val-every", "100", "--no-plots"]
+              "--optimizer", "sgd", "--lr", "0.5", "--max-steps", "6", "--val-every", "100", "--no-plots"]
     run("clip.py", *common, "--devices", "2", "--batch-size", "8", "--output-dir", "two", cwd=tmp_path)
     run("clip.py", *common, "--devices", "1", "--batch-size", "16", "--output-dir", "one", cwd=tmp_path)
     two, one = weights(tmp_path / "two/checkpoints/last.ckpt"), weights(tmp_path / "one/checkpoints/last.ckpt")
     for key, value in one.items():
         if value.is_floating_point():
+            # float32, sums in another order on 2 processes: measured up to 1.5e-5 relative after 6 steps at
+            # lr 0.5; a loss off the contract (e.g. a mean of per-rank means) is off by more than 1e-2 here.
             scale = value.abs().max().clamp_min(1e-6)
-            assert (two[key] - value).abs().max() / scale <= 1e-5, key
+            assert (two[key] - value).abs().max() / scale <= 5e-5, key
     assert float(one["logit_scale"]) != pytest.approx(float(torch.tensor(1 / 0.07).log()), abs=1e-6)  # it trained
 
 
 def test_a_failing_rank_makes_the_command_fail(tmp_path: Path) -> None:
     result = run("clip.py", *TINY_CLIP, "--train-size", "64", "--val-size", "8", "--batch-size", "4",
                  "--max-steps", "8", "--val-every", "100", "--no-plots", "--output-dir", "out", cwd=tmp_path,
-                 env={"CONTRASTIVE_DIST_FAIL_AT_STEP": "3"}, check=False, timeout=120)
+                 env={"RECIPE_FAIL_AT_STEP": "3"}, check=False, timeout=120, hooks=True)
     assert result.returncode != 0
     assert "fails on purpose" in result.stdout + result.stderr
 
 
-def test_resume_mid_epoch_sees_every_sample_once(tmp_path: Path) -> None:
-    # 37 samples, global batch 8: five steps per epoch, the last split [3, 2]; stop after 2.
+@pytest.mark.parametrize("num_workers", ["0", "2"])
+def test_resume_mid_epoch_sees_every_sample_once(tmp_path: Path, num_workers: str) -> None:
+    # 37 samples, global batch 8: five steps per epoch, the last split [3, 2]; stop after 2. Workers
+    # prefetch batches beyond the checkpoint's step: the loader's saved state must not count them.
     record = tmp_path / "samples"
     record.mkdir()
     common = [*TINY_CLIP, "--train-size", "37", "--val-size", "8", "--batch-size", "4", "--val-every", "100",
-              "--no-plots", "--output-dir", "out"]
-    env = {"CONTRASTIVE_DIST_RECORD_SAMPLES": str(record)}
-    run("clip.py", *common, "--max-steps", "2", cwd=tmp_path, env=env)
-    run("clip.py", *common, "--max-steps", "5", "--resume", "out/checkpoints/last.ckpt", cwd=tmp_path, env=env)
+              "--no-plots", "--output-dir", "out", "--num-workers", num_workers]
+    env = {"RECIPE_RECORD_SAMPLES": str(record)}
+    run("clip.py", *common, "--max-steps", "2", cwd=tmp_path, env=env, hooks=True)
+    run("clip.py", *common, "--max-steps", "5", "--resume", "out/checkpoints/last.ckpt", cwd=tmp_path, env=env,
+        hooks=True)
     seen: list[int] = []
     steps: dict[int, list[int]] = {0: [], 1: []}
     for rank in (0, 1):
@@ -146,7 +202,7 @@ def test_module_docstring_gives_the_launch_commands(recipe: str) -> None:
 
 def test_shapes_background_options(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(RECIPES))
-    from shapes import ShapesDataset
+    from shared import ShapesDataset
 
     default = ShapesDataset("train", size=32, seed=3)
     explicit = ShapesDataset("train", size=32, seed=3, background_noise=0.04, tint_spread=0.2)
@@ -157,3 +213,28 @@ def test_shapes_background_options(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(torch.where(shape, default.images, 0), torch.where(shape, plain.images, 0))  # same shapes
     with pytest.raises(ValueError, match="tint_spread"):
         ShapesDataset("train", size=4, tint_spread=1.0)
+
+
+def test_torchrun_recipe_resumes_mid_epoch_and_two_processes_train_to_the_weights_of_one(tmp_path: Path) -> None:
+    # 33 pairs, global batch 16: steps of 16, 16, 1 per epoch, the last split [1, 0] on 2 processes.
+    # Two processes stop after 2 steps (mid-epoch) and resume to 5; one process runs the 5 steps at once.
+    def torchrun(processes: int, *args: str) -> str:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+                   str(RECIPES / "clip_torchrun.py"), "--train-size", "33", "--lr", "0.5", *args]
+        result = subprocess.run(command, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                capture_output=True, text=True, timeout=150)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        return result.stdout
+
+    torchrun(2, "--batch-size", "8", "--max-steps", "2", "--output-dir", "two")
+    output = torchrun(2, "--batch-size", "8", "--max-steps", "5", "--output-dir", "two", "--resume",
+                      "two/checkpoint.pt")
+    assert "held-out recall over 64 pairs" in output and "5 steps" in output
+    torchrun(1, "--batch-size", "16", "--max-steps", "5", "--output-dir", "one")
+    two, one = (torch.load(tmp_path / name / "checkpoint.pt", weights_only=True) for name in ("two", "one"))
+    assert two["step"] == one["step"] == 5 and two["sampler"]["epoch"] == 1 and two["sampler"]["step"] == 2
+    for key, value in one["model"].items():
+        if value.is_floating_point():
+            scale = value.abs().max().clamp_min(1e-6)
+            assert (two["model"][key] - value).abs().max() / scale <= 5e-5, key  # float32, another sum order
+    assert not torch.equal(one["model"]["logit_scale"], torch.tensor(1 / 0.07).log())  # it trained

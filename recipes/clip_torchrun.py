@@ -1,0 +1,189 @@
+"""Train a small CLIP with plain PyTorch DDP (no Lightning): drop-last-free batches, exact mid-epoch resume.
+
+One file, no download: generated images of a coloured square whose caption names it ("a large red
+square in the top left"), a small conv net with exact global BatchNorm (``convert_sync_batchnorm``)
+and a bag-of-words text tower, ``DistributedInfoNCE`` over the global batch with the sampler's
+per-rank sizes, and held-out image→text / text→image recall at the end.
+
+    torchrun --standalone --nproc-per-node 2 recipes/clip_torchrun.py                  # CPU: gloo
+    torchrun --standalone --nproc-per-node 8 recipes/clip_torchrun.py --batch-size 256  # GPUs: NCCL
+    torchrun --standalone --nproc-per-node 2 recipes/clip_torchrun.py --max-steps 600 \\
+        --resume runs/clip_torchrun/checkpoint.pt                                       # continue a run
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+from contrastive_dist import (
+    DistributedBatchSampler,
+    DistributedInfoNCE,
+    EmptySafeCollate,
+    convert_sync_batchnorm,
+    retrieval_accuracy,
+)
+
+COLOURS = {"red": (0.9, 0.15, 0.15), "green": (0.15, 0.8, 0.2), "blue": (0.2, 0.35, 0.95),
+           "yellow": (0.95, 0.9, 0.15), "purple": (0.65, 0.2, 0.85), "cyan": (0.15, 0.85, 0.9)}
+SIZES = {"small": 3, "large": 6}  # side in pixels, in a 24×24 image of 3×3 cells of 8 pixels
+POSITIONS = [f"{row} {column}" for row in ("top", "middle", "bottom") for column in ("left", "middle", "right")]
+WORDS = ["<pad>", *sorted({word for text in [*COLOURS, *SIZES, *POSITIONS, "a square in the"]
+                           for word in text.split()})]
+CAPTION_WORDS = 8
+
+
+class Squares(Dataset):
+    """Items ``(image float (3, 24, 24), caption word ids (8,), index)``, the same on every rank.
+
+    ``distinct=True`` draws each (colour, size, position) at most once: every caption is unique,
+    so retrieval over the split has one right answer per query (chance ``1/size``).
+    """
+
+    def __init__(self, size: int, *, seed: int, distinct: bool = False) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        every = list(itertools.product(range(len(COLOURS)), range(len(SIZES)), range(len(POSITIONS))))
+        picks = (torch.randperm(len(every), generator=generator)[:size] if distinct
+                 else torch.randint(len(every), (size,), generator=generator))
+        self.images = 0.15 + 0.05 * torch.randn(len(picks), 3, 24, 24, generator=generator)
+        self.tokens = torch.zeros(len(picks), CAPTION_WORDS, dtype=torch.long)
+        for index, pick in enumerate(picks.tolist()):
+            colour, size, position = every[pick]
+            side = list(SIZES.values())[size]
+            top, left = (8 * cell + int(torch.randint(9 - side, (), generator=generator))
+                         for cell in divmod(position, 3))
+            rgb = torch.tensor(list(COLOURS.values())[colour])
+            self.images[index, :, top : top + side, left : left + side] = rgb[:, None, None]
+            text = f"a {list(SIZES)[size]} {list(COLOURS)[colour]} square in the {POSITIONS[position]}"
+            self.tokens[index, : len(text.split())] = torch.tensor([WORDS.index(word) for word in text.split()])
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor, int]:
+        return self.images[index], self.tokens[index], index
+
+
+class CLIP(nn.Module):
+    """Image and text towers into one embedding space; a learnable temperature, clamped at 100 as in CLIP."""
+
+    def __init__(self, embed_dim: int = 64) -> None:
+        super().__init__()
+
+        def block(channels_in: int, channels_out: int, stride: int) -> list[nn.Module]:
+            return [nn.Conv2d(channels_in, channels_out, 3, stride, 1, bias=False), nn.BatchNorm2d(channels_out),
+                    nn.ReLU()]
+
+        self.image = nn.Sequential(*block(3, 32, 1), *block(32, 64, 2), *block(64, 64, 2), nn.AdaptiveAvgPool2d(1),
+                                   nn.Flatten(), nn.Linear(64, embed_dim))
+        self.words = nn.EmbeddingBag(len(WORDS), 64, mode="mean", padding_idx=0)
+        self.text = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, embed_dim))
+        self.logit_scale = nn.Parameter(torch.tensor(1 / 0.07).log())
+
+    def forward(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        image = F.normalize(self.image(images), dim=-1)
+        text = F.normalize(self.text(self.words(tokens)), dim=-1)
+        return image, text, self.logit_scale.clamp(max=math.log(100)).exp()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset: Dataset, batch_size: int, device: torch.device) -> dict[str, float]:
+    """Recall@1/@5 over the whole held-out split: each rank encodes its share, the metric gathers them all."""
+    model.eval()
+    sampler = DistributedBatchSampler(dataset, batch_size, shuffle=False)  # every sample once, in order
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=EmptySafeCollate(dataset))
+    features = [model(images.to(device), tokens.to(device))[:2] for images, tokens, _ in loader]
+    image, text = (torch.cat(parts) for parts in zip(*features))
+    model.train()
+    return {key: value.item() for key, value in retrieval_accuracy(image, text, top_k=(1, 5)).items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--max-steps", type=int, default=200, help="optimizer steps of the whole run")
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per process per step")
+    parser.add_argument("--lr", type=float, default=0.03, help="SGD learning rate (momentum 0.9)")
+    parser.add_argument("--train-size", type=int, default=8192, help="generated training pairs")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the weights, the data and their order")
+    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
+    parser.add_argument("--checkpoint-every", type=int, default=50, help="write the checkpoint every N steps")
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/clip_torchrun"), help="checkpoint.pt goes here")
+    parser.add_argument("--resume", type=Path, default=None, help="checkpoint.pt to continue from (mid-epoch is fine)")
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")  # torchrun sets rank, world size and the rendezvous
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.manual_seed(args.seed)
+    # Exact global BatchNorm statistics on every backend, for any (even empty) per-rank batch.
+    model = convert_sync_batchnorm(CLIP()).to(device)
+    ddp_model = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    criterion = DistributedInfoNCE()
+    train_set, held_out = Squares(args.train_size, seed=args.seed), Squares(64, seed=args.seed + 1, distinct=True)
+    # Each global batch of batch_size × world size samples split evenly over the ranks: nothing dropped or repeated.
+    sampler = DistributedBatchSampler(train_set, args.batch_size, seed=args.seed)
+    loader = DataLoader(train_set, batch_sampler=sampler, collate_fn=EmptySafeCollate(train_set),
+                        num_workers=args.num_workers)
+    step, epoch, first = 0, 0, 0
+    if args.resume is not None:
+        state = torch.load(args.resume, map_location=device, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        sampler.load_state_dict(state["sampler"])  # the next iter() continues that epoch at that step
+        step, epoch, first = state["step"], state["sampler"]["epoch"], state["sampler"]["step"]
+
+    def save(epoch: int, batches_done: int) -> None:
+        if rank != 0:
+            return
+        # Workers prefetch, so the sampler has handed out more batches than the loop used: store the loop's count.
+        position = {**sampler.state_dict(), "epoch": epoch, "step": batches_done}
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "sampler": position, "step": step}
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(state, args.output_dir / "checkpoint.pt")
+
+    start = time.perf_counter()
+    while step < args.max_steps:
+        sampler.set_epoch(epoch)  # a new order each epoch; keeps a resumed position in this epoch
+        for batch_index, (images, tokens, _) in enumerate(loader, start=first):
+            image, text, scale = ddp_model(images.to(device), tokens.to(device))
+            # The sizes of this step on every rank: the loss skips its size exchange.
+            loss = criterion(image, text, scale, sizes=sampler.sizes(batch_index))
+            optimizer.zero_grad()
+            loss.backward()  # DDP averages the per-rank losses' gradients: the global batch's gradient
+            optimizer.step()
+            step += 1
+            if step % 50 == 0 and rank == 0:
+                print(f"step {step}/{args.max_steps}  loss {loss.item():.3f}  ({time.perf_counter() - start:.0f} s)")
+            if step % args.checkpoint_every == 0 or step == args.max_steps:
+                save(epoch, batch_index + 1)
+            if step == args.max_steps:
+                break
+        else:
+            epoch, first = epoch + 1, 0
+    recall = evaluate(model, held_out, args.batch_size, device)
+    if rank == 0:
+        metrics = "  ".join(f"{key} {value:.3f}" for key, value in recall.items())
+        print(f"held-out recall over {len(held_out)} pairs (chance R@1 {1 / len(held_out):.3f}): {metrics}")
+        print(f"{step} steps in {time.perf_counter() - start:.0f} s; checkpoint: {args.output_dir / 'checkpoint.pt'}")
+    dist.barrier()  # no rank tears the group down while another still uses it
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
