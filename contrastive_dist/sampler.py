@@ -19,14 +19,14 @@ Plain ``DataLoader`` under torchrun / DDP::
             sizes = sampler.sizes(step)            # per-rank rows: all_gather(..., sizes=sizes) skips a collective
             ...
 
-Lightning: build the loader in ``train_dataloader()`` (the process group exists by then) and pass
-``Trainer(strategy="ddp", use_distributed_sampler=False)``. Left at ``True``, Lightning tries to
-rebuild the loader around a ``DistributedSampler`` and raises a ``TypeError`` because this class
-is not a ``torch.utils.data.BatchSampler``. Lightning advances epochs by calling ``set_epoch`` on
-``loader.sampler`` and ``loader.batch_sampler.sampler``; :attr:`DistributedBatchSampler.sampler` is
-the sampler itself, so those calls arrive. The ``training_step`` must return a loss connected to
-the parameters even for a 0-row batch (e.g. ``model(x).sum() * 0``): returning ``None`` makes
-Lightning skip the backward on that rank only, and the other ranks wait for it forever.
+Lightning: ``contrastive_dist.lightning.distributed_loader`` builds the loader around this sampler
+from the trainer's rank and world size, resumes exactly mid-epoch with or without worker processes,
+and refuses ``use_distributed_sampler=True`` (Lightning would replace the sampler). Lightning
+advances epochs by calling ``set_epoch`` on ``loader.sampler`` and ``loader.batch_sampler.sampler``;
+:attr:`DistributedBatchSampler.sampler` is the sampler itself, so those calls arrive. The
+``training_step`` must return a loss connected to the parameters even for a 0-row batch (the losses
+of this package are): returning ``None`` makes Lightning skip the backward on that rank only, and
+the other ranks wait for it forever.
 
 Order: each epoch's order is a seeded bijection of ``[0, length)`` evaluated only at the positions a
 batch needs (:mod:`contrastive_dist._permutation`: a Feistel network with cycle walking), so the first
@@ -39,18 +39,9 @@ sample repeated or dropped, so sums and counts reduced over ranks give exact met
 
 Resuming mid-epoch: :meth:`~DistributedBatchSampler.state_dict` records the epoch and the number
 of batches this sampler has handed out. With ``num_workers=0`` that is the number of batches the
-loop consumed; worker processes prefetch, so with workers save ``{**state, "step": batches_done}``
-yourself. Lightning restores loader state only when the *loader* has ``state_dict`` and
-``load_state_dict`` (a plain ``DataLoader`` has neither; it then replays the epoch from its start).
-A subclass that forwards both to the batch sampler makes Lightning's mid-epoch checkpoints resume
-without losing or repeating a sample (with ``num_workers=0``)::
-
-    class ResumableDataLoader(DataLoader):
-        def state_dict(self):
-            return self.batch_sampler.state_dict()
-
-        def load_state_dict(self, state):
-            self.batch_sampler.load_state_dict(state)
+loop consumed; worker processes prefetch, so the loader must account for them: torchdata's
+``StatefulDataLoader`` does (``contrastive_dist.lightning.distributed_loader`` uses it), and
+``recipes/clip_torchrun.py`` shows a plain PyTorch loop that saves and resumes it.
 """
 
 from __future__ import annotations
