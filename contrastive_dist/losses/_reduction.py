@@ -17,7 +17,7 @@ from torch import Tensor
 from contrastive_dist.losses._checks import compute_dtype
 from contrastive_dist.losses._chunked import contract_factor
 
-__all__ = ["Reduction", "check_reduction", "check_weight", "mean_factor"]
+__all__ = ["Reduction", "check_reduction", "check_weight", "mean_factor", "total_factor"]
 
 Reduction = Literal["mean", "none"]
 
@@ -68,5 +68,10 @@ def mean_factor(world_size: int, count: int, gathered_weights: Tensor | None) ->
     """
     if gathered_weights is None:
         return contract_factor(count, world_size)
-    total = gathered_weights.sum()
-    return torch.where(total > 0, world_size / torch.where(total > 0, total, 1.0), 0.0)
+    return total_factor(world_size, gathered_weights.sum())
+
+
+def total_factor(world_size: int, total: Tensor) -> Tensor:
+    """``W / total`` as a 0-d tensor (no host sync), 0 where ``total`` is 0 (then the summed losses are 0 too)."""
+    positive = total > 0
+    return torch.where(positive, world_size / torch.where(positive, total, 1.0), 0.0)

@@ -22,7 +22,7 @@ from contrastive_dist.losses._chunked import Targets, cross_entropy, upcast
 from contrastive_dist.losses._module import TemperatureLoss
 from contrastive_dist.losses._negatives import SharedNegatives, check_negatives, negative_columns, negatives_marker
 from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight, mean_factor
-from contrastive_dist.losses._ring_losses import Communication, check_ring_options, ring_checks, ring_info_nce
+from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_checks, ring_info_nce
 
 __all__ = ["DistributedInfoNCE", "info_nce"]
 
@@ -122,10 +122,19 @@ def info_nce(
         reduction = check_reduction(reduction, weight)
         weights = check_weight(weight, image_features.shape[0], image_features)
         negatives = check_negatives(negatives, text_features)
-        communication = check_ring_options(communication, weight=weight, reduction=reduction, negatives=negatives)
+        communication = check_communication(communication)
     if communication == "ring":
         return ring_info_nce(
-            image_features, text_features, scale, symmetric=symmetric, chunk_size=chunk_size, group=group, sizes=sizes
+            image_features,
+            text_features,
+            scale,
+            symmetric=symmetric,
+            chunk_size=chunk_size,
+            group=group,
+            sizes=sizes,
+            negatives=negatives,
+            weights=weights,
+            reduction=reduction,
         )
     world_size = get_world_size(group)
     own = (image_features, text_features) if symmetric else (text_features,)

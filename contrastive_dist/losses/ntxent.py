@@ -21,7 +21,7 @@ from contrastive_dist.losses._checks import (
 from contrastive_dist.losses._chunked import Targets, cross_entropy, full_precision, upcast
 from contrastive_dist.losses._module import TemperatureLoss
 from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight, mean_factor
-from contrastive_dist.losses._ring_losses import Communication, check_ring_options, ring_checks, ring_nt_xent
+from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_checks, ring_nt_xent
 
 __all__ = ["NTXentLoss", "nt_xent"]
 
@@ -100,9 +100,11 @@ def nt_xent(
         chunk_size = check_chunk_size(chunk_size)
         reduction = check_reduction(reduction, weight)
         weights = check_weight(weight, z1.shape[0], z1)
-        communication = check_ring_options(communication, weight=weight, reduction=reduction)
+        communication = check_communication(communication)
     if communication == "ring":
-        return ring_nt_xent(z1, z2, scale, chunk_size=chunk_size, group=group, sizes=sizes)
+        return ring_nt_xent(
+            z1, z2, scale, chunk_size=chunk_size, group=group, sizes=sizes, weights=weights, reduction=reduction
+        )
     gathered = all_gather_many((z1, z2) + (() if weights is None else (weights,)), group=group, sizes=sizes)
     total = sum(gathered.sizes)
     with full_precision(z1.device):

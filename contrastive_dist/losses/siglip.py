@@ -26,7 +26,6 @@ from contrastive_dist.losses._reduction import Reduction, check_reduction, check
 from contrastive_dist.losses._ring_losses import (
     Communication,
     check_communication,
-    check_ring_options,
     ring_checks,
     ring_siglip,
 )
@@ -113,9 +112,19 @@ def siglip(
         chunk_size = check_chunk_size(chunk_size)
         reduction = check_reduction(reduction, weight)
         weights = check_weight(weight, image_features.shape[0], image_features)
-        communication = check_ring_options(communication, weight=weight, reduction=reduction)
+        communication = check_communication(communication)
     if communication == "ring":
-        return ring_siglip(image_features, text_features, scale, bias, chunk_size=chunk_size, group=group, sizes=sizes)
+        return ring_siglip(
+            image_features,
+            text_features,
+            scale,
+            bias,
+            chunk_size=chunk_size,
+            group=group,
+            sizes=sizes,
+            weights=weights,
+            reduction=reduction,
+        )
     own = (text_features,) + (() if weights is None else (weights,))
     gathered = all_gather_many(own, group=group, sizes=sizes)
     factor = mean_factor(get_world_size(group), sum(gathered.sizes), None if weights is None else gathered.tensors[1])

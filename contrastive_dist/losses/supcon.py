@@ -21,7 +21,7 @@ from contrastive_dist.losses._checks import (
 from contrastive_dist.losses._chunked import Targets, cross_entropy, full_precision, upcast
 from contrastive_dist.losses._module import TemperatureLoss
 from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight
-from contrastive_dist.losses._ring_losses import Communication, check_ring_options, ring_checks, ring_supcon
+from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_checks, ring_supcon
 
 __all__ = ["SupConLoss", "supcon"]
 
@@ -114,9 +114,18 @@ def supcon(
         chunk_size = check_chunk_size(chunk_size)
         reduction = check_reduction(reduction, weight)
         weights = check_weight(weight, features.shape[0], features)
-        communication = check_ring_options(communication, weight=weight, reduction=reduction)
+        communication = check_communication(communication)
     if communication == "ring":
-        return ring_supcon(features, labels, scale, chunk_size=chunk_size, group=group, sizes=sizes)
+        return ring_supcon(
+            features,
+            labels,
+            scale,
+            chunk_size=chunk_size,
+            group=group,
+            sizes=sizes,
+            weights=weights,
+            reduction=reduction,
+        )
     own = (features, labels) + (() if weights is None else (weights,))
     gathered = all_gather_many(own, group=group, sizes=sizes)
     all_features, all_labels = gathered.tensors[:2]
