@@ -4,7 +4,9 @@ With weights ``w_i`` (one per local row) a loss is ``Σ_i w_i ℓ_i / Σ_global 
 batch. The weights ride in the loss's own gather (packed beside the features when their dtypes
 match, so no extra collective), which gives every rank the same ``Σ_global w``, summed in the
 single-process order; a rank that passes weights while another does not fails the gather's
-agreement with a clear error on every rank instead of hanging.
+agreement with a clear error on every rank instead of hanging. Ring mode reduces the same way
+(:mod:`._ring_extras`): the weights join its agreement exchange and ``Σ_global w`` takes one
+scalar all-reduce.
 """
 
 from __future__ import annotations

@@ -85,7 +85,10 @@ def info_nce(
         communication: ``"gather"`` gathers every rank's features onto every rank (memory
             ``O(N·D + chunk·N)``); ``"ring"`` keeps the images here and passes text blocks round
             the ring, each logit block serving both directions (memory ``O(n_r·D + chunk·max_r n_r)``,
-            independent of the number of ranks); same value and gradients.
+            independent of the number of ranks); same value and gradients, every option included:
+            ``weight`` (one more scalar all-reduce), ``reduction="none"``, own negatives (they
+            travel with their rank's text block, memory ``O(chunk·max_r (n_r + k_r))``) and
+            shared negatives (local columns, no transfer).
 
     Returns:
         ``"mean"``: a scalar, this rank's share of the global loss (0 for an empty global batch or
@@ -170,7 +173,7 @@ class DistributedInfoNCE(TemperatureLoss):
         group: the process group (default: the world).
         reduction: ``"mean"`` or ``"none"`` (per-pair losses; the caller normalises).
         communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
-            ranks); see :func:`info_nce`.
+            ranks; takes ``negatives``, ``weight`` and ``reduction`` too); see :func:`info_nce`.
 
     Shape:
         image_features, text_features: ``(n_r, D)``; logit_scale: ``()``; negatives: ``(k_r, D)``;

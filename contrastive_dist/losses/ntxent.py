@@ -70,7 +70,8 @@ def nt_xent(
         reduction: ``"mean"`` (this rank's share of the global mean) or ``"none"`` (per-sample losses).
         communication: ``"gather"`` gathers both views of every rank onto every rank (memory
             ``O(N·D + chunk·N)``); ``"ring"`` passes blocks of both views round the ring instead
-            (memory ``O(n_r·D + chunk·max_r n_r)``, independent of the number of ranks); same result.
+            (memory ``O(n_r·D + chunk·max_r n_r)``, independent of the number of ranks); same result,
+            with ``weight`` (one more scalar all-reduce) and ``reduction="none"`` too.
 
     Returns:
         ``"mean"``: a scalar, this rank's share of the global loss (0 for an empty global batch or
@@ -139,7 +140,7 @@ class NTXentLoss(TemperatureLoss):
         group: the process group (default: the world).
         reduction: ``"mean"`` or ``"none"`` (per-sample losses; the caller normalises).
         communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
-            ranks); see :func:`nt_xent`.
+            ranks; takes ``weight`` and ``reduction`` too); see :func:`nt_xent`.
 
     Shape:
         z1, z2: ``(n_r, D)``; logit_scale: ``()``; weight: ``(n_r,)``; output: ``()``, or ``(n_r,)``

@@ -81,7 +81,8 @@ def siglip(
         communication: ``"gather"`` gathers every rank's texts onto every rank (memory
             ``O(N·D + chunk·N)``); ``"ring"`` keeps them local and passes text blocks round the
             ring instead (memory ``O(n_r·D + chunk·max_r n_r)``, independent of the number of
-            ranks); same value and gradients.
+            ranks); same value and gradients, with ``weight`` (one more scalar all-reduce) and
+            ``reduction="none"`` too.
 
     Returns:
         ``"mean"``: a scalar, this rank's share of the global loss (0 for an empty global batch or
@@ -227,7 +228,7 @@ class SigLIPLoss(nn.Module):
         group: the process group (default: the world).
         reduction: ``"mean"`` or ``"none"`` (per-row losses; the caller normalises).
         communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
-            ranks); see :func:`siglip`.
+            ranks; takes ``weight`` and ``reduction`` too); see :func:`siglip`.
 
     Shape:
         image_features, text_features: ``(n_r, D)``; logit_scale, logit_bias: ``()``;

@@ -82,7 +82,8 @@ def supcon(
         communication: ``"gather"`` gathers every rank's embeddings and labels onto every rank
             (memory ``O(N·V·D + chunk·N·V)``); ``"ring"`` passes blocks of them round the ring
             instead (memory ``O(n_r·V·D + chunk·max_r n_r·V)``, independent of the number of ranks;
-            the anchor count takes one scalar all-reduce); same result.
+            the anchor count, or with ``weight`` the anchors' weight total, takes one scalar
+            all-reduce); same result, with ``weight`` and ``reduction="none"`` too.
 
     Returns:
         ``"mean"``: a scalar, this rank's share of the global loss; ``"none"``: this rank's
@@ -184,7 +185,7 @@ class SupConLoss(TemperatureLoss):
         group: the process group (default: the world).
         reduction: ``"mean"`` or ``"none"`` (per-anchor losses; the caller normalises).
         communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
-            ranks); see :func:`supcon`.
+            ranks; takes ``weight`` and ``reduction`` too); see :func:`supcon`.
 
     Shape:
         features: ``(n_r, D)`` or ``(n_r, V, D)``; labels, weight: ``(n_r,)``; logit_scale: ``()``;
