@@ -231,3 +231,36 @@ def test_bad_weights_and_negatives_on_one_rank_raise_on_every_rank_in_ring_mode(
             expected_text = "do not agree" if name.endswith("on one rank") else "(on rank 1;"
             assert expected_text in message, f"rank {rank} {name}: {message}"
             assert outcome[name] == per_rank[1][name], f"rank {rank} {name}: not the same error as rank 1"
+
+
+def test_half_precision_features_with_a_float32_queue_and_own_negatives_in_one_process() -> None:
+    # bf16 features, a float32 or float64 queue, bf16 own negatives: the core runs in float32 in
+    # both modes, so ring mode matches gather mode to float32 rounding (values and gradients).
+    generator = torch.Generator().manual_seed(5)
+    images = F.normalize(torch.randn(6, 8, generator=generator), dim=-1).bfloat16().requires_grad_()
+    texts = F.normalize(torch.randn(6, 8, generator=generator), dim=-1).bfloat16().requires_grad_()
+    own = F.normalize(torch.randn(4, 8, generator=generator), dim=-1).bfloat16().requires_grad_()
+    weight = torch.rand(6, generator=generator)
+    for queue_dtype in (torch.float32, torch.float64):
+        queue = SharedNegatives(F.normalize(torch.randn(5, 8, generator=generator), dim=-1).to(queue_dtype))
+        for negatives, chunk_size in ((queue, None), (queue, 4), (own, None), (own, 4)):
+            results = []
+            for communication in ("ring", "gather"):
+                loss = info_nce(
+                    images, texts, 5.0, negatives=negatives, weight=weight, chunk_size=chunk_size,
+                    communication=communication,  # type: ignore[arg-type]
+                )
+                grads = torch.autograd.grad(loss, (images, texts, own), allow_unused=True)
+                results.append((loss, grads))
+            (ring_loss, ring_grads), (gather_loss, gather_grads) = results
+            assert ring_loss.dtype == torch.float32
+            torch.testing.assert_close(ring_loss, gather_loss, rtol=1e-6, atol=1e-6)
+            for ring_grad, gather_grad in zip(ring_grads, gather_grads, strict=True):
+                if gather_grad is None:
+                    assert ring_grad is None
+                    continue
+                assert ring_grad is not None and ring_grad.dtype == torch.bfloat16
+                # Within bf16 rounding of the gradient's scale: gather mode rounds the images'
+                # two paths (rows and gathered columns) to bf16 apart before summing them.
+                scale = gather_grad.abs().max().item()
+                torch.testing.assert_close(ring_grad.float(), gather_grad.float(), rtol=2**-7, atol=2**-7 * scale)
