@@ -16,10 +16,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from test_losses_reference import value_and_grads
+from test_losses_reference import encode, value_and_grads
 from test_negatives_weights import (
     KINDS,
+    TEMPERATURE,
     _upstream,
     make_data,
     negatives_for,
@@ -264,3 +266,51 @@ def test_half_precision_features_with_a_float32_queue_and_own_negatives_in_one_p
                 # two paths (rows and gathered columns) to bf16 apart before summing them.
                 scale = gather_grad.abs().max().item()
                 torch.testing.assert_close(ring_grad.float(), gather_grad.float(), rtol=2**-7, atol=2**-7 * scale)
+
+
+def _edge_cases(rank: int, world_size: int) -> dict[str, Any]:
+    """W = 3: an empty global batch with negatives on some ranks; a subgroup {0, 2} (rank 1 stays out)."""
+    outcome: dict[str, Any] = {}
+    params, data = make_data(0, 0, 3)
+    for kind in KINDS:
+        for mode in ("weighted", "none"):
+            for negatives_kind in ("", "own", "shared") if kind.startswith("clip") else ("",):
+                own = negatives_for(params, _slice(data["x_negative"], (2, 0, 1), rank))
+                negatives = {"": None, "own": own, "shared": SharedNegatives(data["shared"])}[negatives_kind]
+                value = package_value(kind, mode, params, data, negatives, 2, None, "ring")
+                _, grads = value_and_grads(value.sum(), dict(params, negatives=own))
+                largest = max(float(grad.abs().max()) if grad.numel() else 0.0 for grad in grads.values())
+                outcome[f"empty {kind} {mode} {negatives_kind}"] = (tuple(value.shape), float(value.sum()), largest)
+    members, shards, negative_shards = [0, 2], (3, 2), (0, 2)
+    group = dist.new_group(members)
+    if rank in members:
+        index = members.index(rank)
+        params, data = make_data(7, sum(shards), sum(negative_shards))
+        local = {name: _slice(data[name], shards, index) for name in ("x_image", "x_text", "labels", "weight")}
+        images, texts = encode(params, local)
+        negatives = negatives_for(params, _slice(data["x_negative"], negative_shards, index))
+        options: dict[str, Any] = {"weight": local["weight"], "group": group, "communication": "ring", "chunk_size": 2}
+        loss = info_nce(images, texts, params["log_scale"].exp(), negatives=negatives, **options)
+        outcome["group clip"] = value_and_grads(loss, params)
+        images, texts = encode(params, local)
+        loss = supcon(torch.stack([images, texts], dim=1), local["labels"], temperature=TEMPERATURE, **options)
+        outcome["group supcon_views"] = value_and_grads(loss, params)
+    dist.destroy_process_group(group)
+    return outcome
+
+
+def test_empty_global_batch_and_subgroup_with_weights_and_negatives(pool: Callable[[int], WorkerPool]) -> None:
+    per_rank = pool(3).run(_edge_cases, timeout=60)
+    for rank, outcome in enumerate(per_rank):
+        for name, (shape, value, largest_grad) in ((k, v) for k, v in outcome.items() if k.startswith("empty")):
+            assert shape[0] == 0 if " none " in name else shape == (), f"rank {rank} {name}: {shape}"
+            assert (value, largest_grad) == (0.0, 0.0), f"rank {rank} {name}"
+    params, data = make_data(7, 5, 2)
+    for kind in ("clip", "supcon_views"):
+        negatives = negatives_for(params, data["x_negative"]) if kind == "clip" else None
+        expected, expected_grads = value_and_grads(reference_weighted_mean(kind, params, data, negatives), params)
+        members = [per_rank[rank][f"group {kind}"] for rank in (0, 2)]
+        _close(sum(value for value, _ in members) / 2, expected, f"group {kind}")
+        for name, grad in expected_grads.items():
+            _close(sum(grads[name] for _, grads in members) / 2, grad, f"group {kind} d/d{name}")
+        assert f"group {kind}" not in per_rank[1]
