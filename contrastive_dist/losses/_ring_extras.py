@@ -10,9 +10,9 @@ every rank before any collective that only one of them would run.
 
 **Own negatives** (each rank's ``k_r`` rows, any count, 0 included, with gradient) travel round
 the ring appended to their rank's text block: block ``r`` has ``n_r + k_r`` key rows, so every
-image row meets every negative once (image→text only: the column log-sum-exps of the negative
-rows are computed but unused) and each negative's gradient comes home with its block's
-accumulator. A second agreement exchange gives every rank every ``k_r`` (and checks dtype, width
+image row meets every negative once (image→text only: the column log-sum-exps, text→image,
+cover each block's leading text rows alone) and each negative's gradient comes home with its
+block's accumulator. A second agreement exchange gives every rank every ``k_r`` (and checks dtype, width
 and gradient tracking); the features' exchange carries a zero-width marker of the kind of
 negatives each rank passes, so a rank passing own negatives while another does not fails there.
 Memory: one block of ``max_r (n_r + k_r)`` rows and ``chunk × max_r (n_r + k_r)`` logits.

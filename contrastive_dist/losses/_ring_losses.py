@@ -120,15 +120,16 @@ def ring_info_nce(
         key_ring, travelling = ring, keys
         if isinstance(negatives, Tensor):
             key_ring, travelling = with_negatives(ring, keys, upcast(negatives))
+        # Columns (text→image) are the texts only: the negatives after them are image→text only.
         row_lse, col_lse, _, _ = ring_logsumexp(
-            queries, travelling, scale, key_ring, columns=symmetric, chunk_size=chunk_size
+            queries, travelling, scale, key_ring, columns=symmetric, column_sizes=ring.sizes, chunk_size=chunk_size
         )
         if isinstance(negatives, SharedNegatives):
             row_lse = torch.logaddexp(row_lse, shared_logsumexp(queries, negatives.keys, scale, chunk_size))
         positives = (queries * keys).sum(dim=1) * scale
         rows = row_lse - positives
-        if symmetric:  # the text→image direction sees the texts only, never the negatives
-            rows = 0.5 * (rows + (col_lse[: keys.shape[0]] - positives))
+        if symmetric:
+            rows = 0.5 * (rows + (col_lse - positives))
         return rows if reduction == "none" else ring_mean(rows, ring, weights)
 
 
