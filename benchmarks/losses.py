@@ -22,6 +22,8 @@ measurement starts from the same floor.
 ``clip_ring*`` rows are ``DistributedInfoNCE(communication="ring")``; ``clip_ring_chunk256_wait`` is
 the same with every transfer waited for before computing on the block (no overlap), a variant that
 lives only here: the difference to ``clip_ring_chunk256`` is the transfer time the overlap hides.
+``clip_negatives_chunk256`` and ``clip_ring_negatives_chunk256`` add ``n`` own hard negatives per
+rank (``negatives=``, with gradient; the texts rolled by one row), gathered or sent round the ring.
 ``--by-ranks METHOD`` ends with one table of peak memory and time against W, with ratios to METHOD.
 
 Baselines (optional; a row says "missing" when the package is not installed):
@@ -65,6 +67,8 @@ METHODS = (
     "clip_ring",
     "clip_ring_chunk256",
     "clip_ring_chunk256_wait",
+    "clip_negatives_chunk256",
+    "clip_ring_negatives_chunk256",
     "open_clip_local",
     "open_clip_default",
     "gemm_floor",
@@ -120,7 +124,7 @@ def _build(method: str, rank: int, world_size: int, dim: int) -> Callable[..., t
         def ring_loss(images: torch.Tensor, texts: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
             # Only in this worker process: ``_wait`` waits for every transfer before computing (no overlap).
             _ring.Ring.shift = shift  # type: ignore[method-assign]
-            return ring(images, texts, scale)
+            return ring(images, texts, scale, negatives=_hard_negatives(method, texts))
 
         return ring_loss
     if method.startswith("clip"):
@@ -137,7 +141,7 @@ def _build(method: str, rank: int, world_size: int, dim: int) -> Callable[..., t
 
             return recompute
         criterion = DistributedInfoNCE(chunk_size=chunk)
-        return lambda images, texts, scale: criterion(images, texts, scale)
+        return lambda images, texts, scale: criterion(images, texts, scale, negatives=_hard_negatives(method, texts))
     if method == "ntxent_chunk256":
         ntxent = NTXentLoss(chunk_size=256)
         return lambda images, texts, scale: ntxent(images, texts)
@@ -162,6 +166,11 @@ def _build(method: str, rank: int, world_size: int, dim: int) -> Callable[..., t
 
 
 _OVERLAPPING_SHIFT = _ring.Ring.shift
+
+
+def _hard_negatives(method: str, texts: torch.Tensor) -> torch.Tensor | None:
+    """One own negative per row, with gradient, for the ``_negatives`` methods (None for the others)."""
+    return torch.roll(texts, 1, 0) if "_negatives" in method else None
 
 
 def _shift_then_wait(ring: _ring.Ring, outgoing: Sequence[torch.Tensor], incoming: Sequence[torch.Tensor]) -> Any:

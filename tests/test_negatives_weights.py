@@ -140,11 +140,14 @@ def negatives_for(params: dict[str, Tensor], x_negative: Tensor) -> Tensor:
 
 
 def package_value(kind: str, mode: str, params: dict[str, Tensor], data: dict[str, Tensor], negatives: Any,
-                  chunk_size: int | None, sizes: tuple[int, ...] | None = None) -> Tensor:
+                  chunk_size: int | None, sizes: tuple[int, ...] | None = None,
+                  communication: str = "gather") -> Tensor:
     images, texts = encode(params, data)
     scale = params["log_scale"].exp()
     reduction = "none" if mode == "none" else "mean"
-    options: dict[str, Any] = {"chunk_size": chunk_size, "reduction": reduction, "sizes": sizes}
+    options: dict[str, Any] = {
+        "chunk_size": chunk_size, "reduction": reduction, "sizes": sizes, "communication": communication
+    }
     if mode == "weighted":
         options["weight"] = data["weight"]
     if kind.startswith("clip"):

@@ -4,7 +4,9 @@ With weights ``w_i`` (one per local row) a loss is ``Σ_i w_i ℓ_i / Σ_global 
 batch. The weights ride in the loss's own gather (packed beside the features when their dtypes
 match, so no extra collective), which gives every rank the same ``Σ_global w``, summed in the
 single-process order; a rank that passes weights while another does not fails the gather's
-agreement with a clear error on every rank instead of hanging.
+agreement with a clear error on every rank instead of hanging. Ring mode reduces the same way
+(:mod:`._ring_extras`): the weights join its agreement exchange and ``Σ_global w`` takes one
+scalar all-reduce.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch import Tensor
 from contrastive_dist.losses._checks import compute_dtype
 from contrastive_dist.losses._chunked import contract_factor
 
-__all__ = ["Reduction", "check_reduction", "check_weight", "mean_factor"]
+__all__ = ["Reduction", "check_reduction", "check_weight", "mean_factor", "total_factor"]
 
 Reduction = Literal["mean", "none"]
 
@@ -68,5 +70,10 @@ def mean_factor(world_size: int, count: int, gathered_weights: Tensor | None) ->
     """
     if gathered_weights is None:
         return contract_factor(count, world_size)
-    total = gathered_weights.sum()
-    return torch.where(total > 0, world_size / torch.where(total > 0, total, 1.0), 0.0)
+    return total_factor(world_size, gathered_weights.sum())
+
+
+def total_factor(world_size: int, total: Tensor) -> Tensor:
+    """``W / total`` as a 0-d tensor (no host sync), 0 where ``total`` is 0 (then the summed losses are 0 too)."""
+    positive = total > 0
+    return torch.where(positive, world_size / torch.where(positive, total, 1.0), 0.0)

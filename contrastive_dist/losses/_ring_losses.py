@@ -6,10 +6,14 @@ per-rank memory is ``O(n_r·D + chunk_size·max_r n_r)`` whatever the number of 
 exchanged once up front (given ``sizes=`` are checked against them) so every rank knows every
 block's size, and an invalid input on one rank raises the same error on every rank.
 
-Each body ends holding ``ℓ_i``, the loss of each of this rank's rows (both directions for the
-symmetric CLIP loss), computed as ``logsumexp − positive`` row by row, and only then reduces
-them to this rank's share ``(W / N) · Σ_i ℓ_i`` (:func:`share`), the gradient contract of
-DESIGN.md: the mean over ranks is the single-process loss, for any per-rank sizes, 0 included.
+Each body ends holding ``ℓ_i``, the loss of each of this rank's rows, defined as in gather mode
+(a CLIP pair: the mean of its two directions; an NT-Xent sample: the mean of its two anchors; a
+SigLIP image row: its sum over every text; a SupCon anchor: 0 without positives), computed as
+``logsumexp − positive`` row by row. ``reduction="none"`` returns them; ``"mean"`` reduces them
+last to this rank's share ``W · Σ_i w_i ℓ_i / Σ_global w_i`` (:func:`._ring_extras.ring_mean`;
+``w = 1`` without weights), the gradient contract of DESIGN.md: the mean over ranks is the
+single-process loss, for any per-rank sizes, 0 included. InfoNCE's extra negatives are in
+:mod:`._ring_extras` too.
 """
 
 from __future__ import annotations
@@ -18,29 +22,29 @@ from collections.abc import Sequence
 from typing import Literal, get_args
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._agreement import Problem, agree_on_sizes
 from contrastive_dist._dist import get_rank, get_world_size
-from contrastive_dist.losses._chunked import contract_factor, full_precision, upcast
+from contrastive_dist.losses._chunked import full_precision, upcast
+from contrastive_dist.losses._negatives import SharedNegatives, negatives_marker
+from contrastive_dist.losses._reduction import Reduction
 from contrastive_dist.losses._ring import Ring
+from contrastive_dist.losses._ring_extras import ring_mean, shared_logsumexp, with_negatives
 from contrastive_dist.losses._ring_sigmoid import ring_sigmoid_rows
 from contrastive_dist.losses._ring_softmax import ring_logsumexp
 
 __all__ = [
     "Communication",
     "check_communication",
-    "check_ring_options",
     "open_ring",
     "ring_checks",
     "ring_info_nce",
     "ring_nt_xent",
     "ring_siglip",
     "ring_supcon",
-    "share",
 ]
 
 Communication = Literal["gather", "ring"]
@@ -52,24 +56,6 @@ def check_communication(communication: object) -> Communication:
     if communication not in allowed:
         raise ValueError(f"communication must be one of {allowed}, got {communication!r}")
     return communication  # type: ignore[return-value]
-
-
-def check_ring_options(
-    communication: object, *, weight: object, reduction: str, negatives: object = None
-) -> Communication:
-    """Check ``communication``, and that ring mode gets only the options it takes.
-
-    Ring mode has no ``weight=``, ``reduction="none"`` or ``negatives=`` in this version: asking
-    for them raises a ``ValueError`` (on every rank, from the loss's checks) rather than quietly
-    falling back to gathering the global batch.
-    """
-    mode = check_communication(communication)
-    if mode == "ring":
-        asked = [name for name, used in (("weight=", weight is not None), ('reduction="none"', reduction == "none"),
-                                         ("negatives=", negatives is not None)) if used]
-        if asked:
-            raise ValueError(f"communication='ring' does not take {', '.join(asked)}; use communication='gather'")
-    return mode
 
 
 def ring_checks(communication: object, sizes: Sequence[int] | None) -> Sequence[int] | None:
@@ -108,12 +94,9 @@ def open_ring(tensors: Sequence[Tensor], group: ProcessGroup | None, sizes: Sequ
     return Ring(rank, world_size, known, group)
 
 
-def share(per_row: Tensor, count: Tensor | int, world_size: int) -> Tensor:
-    """Return this rank's share ``(W / count) · Σ_i ℓ_i`` of the global mean over ``count`` rows (0 if none)."""
-    if isinstance(count, int):
-        return per_row.sum() * contract_factor(count, world_size)
-    # A tensor count (SupCon's anchors) stays on the device: no host sync.
-    return per_row.sum() * (world_size / count.clamp(min=1).to(per_row.dtype))
+def _given(weights: Tensor | None) -> tuple[Tensor, ...]:
+    """The weights among the agreed tensors: their presence, dtype and length are checked on every rank."""
+    return () if weights is None else (weights,)
 
 
 def ring_info_nce(
@@ -125,19 +108,29 @@ def ring_info_nce(
     chunk_size: int | None,
     group: ProcessGroup | None,
     sizes: Sequence[int] | None,
+    negatives: Tensor | SharedNegatives | None = None,
+    weights: Tensor | None = None,
+    reduction: Reduction = "mean",
 ) -> Tensor:
-    """:func:`~contrastive_dist.info_nce` in ring mode: images stay, text blocks travel."""
-    ring = open_ring((images, texts), group, sizes)
+    """:func:`~contrastive_dist.info_nce` in ring mode: images stay, text blocks (and own negatives) travel."""
+    ring = open_ring((images, texts, *_given(weights), *negatives_marker(negatives, texts)), group, sizes)
     with full_precision(images.device):
         queries, keys = upcast(images), upcast(texts)
         scale = scale.to(queries.dtype)
-        row_lse, col_lse, _, _ = ring_logsumexp(queries, keys, scale, ring, columns=symmetric, chunk_size=chunk_size)
+        key_ring, travelling = ring, keys
+        if isinstance(negatives, Tensor):
+            key_ring, travelling = with_negatives(ring, keys, upcast(negatives))
+        # Columns (text→image) are the texts only: the negatives after them are image→text only.
+        row_lse, col_lse, _, _ = ring_logsumexp(
+            queries, travelling, scale, key_ring, columns=symmetric, column_sizes=ring.sizes, chunk_size=chunk_size
+        )
+        if isinstance(negatives, SharedNegatives):
+            row_lse = torch.logaddexp(row_lse, shared_logsumexp(queries, negatives.keys, scale, chunk_size))
         positives = (queries * keys).sum(dim=1) * scale
-        image_to_text = row_lse - positives
-        if not symmetric:
-            return share(image_to_text, sum(ring.sizes), ring.world_size)
-        text_to_image = col_lse - positives
-        return share(0.5 * (image_to_text + text_to_image), sum(ring.sizes), ring.world_size)
+        rows = row_lse - positives
+        if symmetric:
+            rows = 0.5 * (rows + (col_lse - positives))
+        return rows if reduction == "none" else ring_mean(rows, ring, weights)
 
 
 def ring_nt_xent(
@@ -148,9 +141,11 @@ def ring_nt_xent(
     chunk_size: int | None,
     group: ProcessGroup | None,
     sizes: Sequence[int] | None,
+    weights: Tensor | None = None,
+    reduction: Reduction = "mean",
 ) -> Tensor:
     """:func:`~contrastive_dist.nt_xent` in ring mode: both views of a block travel together."""
-    ring = open_ring((z1, z2), group, sizes)
+    ring = open_ring((z1, z2, *_given(weights)), group, sizes)
     with full_precision(z1.device):
         u1, u2 = F.normalize(upcast(z1), dim=-1), F.normalize(upcast(z2), dim=-1)
         scale = scale.to(u1.dtype)
@@ -159,7 +154,9 @@ def ring_nt_xent(
             anchors, anchors, scale, ring, rows_per_sample=2, exclude_self=True, chunk_size=chunk_size
         )
         positives = (u1 * u2).sum(dim=1) * scale
-        return share(row_lse - torch.cat((positives, positives)), 2 * sum(ring.sizes), ring.world_size)
+        # A sample's loss: the mean of its two anchors'.
+        rows = (row_lse - torch.cat((positives, positives))).view(2, z1.shape[0]).mean(dim=0)
+        return rows if reduction == "none" else ring_mean(rows, ring, weights)
 
 
 def ring_siglip(
@@ -171,15 +168,17 @@ def ring_siglip(
     chunk_size: int | None,
     group: ProcessGroup | None,
     sizes: Sequence[int] | None,
+    weights: Tensor | None = None,
+    reduction: Reduction = "mean",
 ) -> Tensor:
     """:func:`~contrastive_dist.siglip` in ring mode: images stay, text blocks travel."""
-    ring = open_ring((images, texts), group, sizes)
+    ring = open_ring((images, texts, *_given(weights)), group, sizes)
     with full_precision(images.device):
         queries, keys = upcast(images), upcast(texts)
-        per_row = ring_sigmoid_rows(
+        rows = ring_sigmoid_rows(
             queries, keys, scale.to(queries.dtype), bias.to(queries.dtype), ring, chunk_size=chunk_size
         )
-        return share(per_row, sum(ring.sizes), ring.world_size)
+        return rows if reduction == "none" else ring_mean(rows, ring, weights)
 
 
 def ring_supcon(
@@ -190,13 +189,16 @@ def ring_supcon(
     chunk_size: int | None,
     group: ProcessGroup | None,
     sizes: Sequence[int] | None,
+    weights: Tensor | None = None,
+    reduction: Reduction = "mean",
 ) -> Tensor:
     """:func:`~contrastive_dist.supcon` in ring mode: embeddings travel with their labels.
 
-    The positives of an anchor are found in every block by label; the number of anchors with
-    positives over the global batch (the mean's denominator) takes one scalar all-reduce.
+    The positives of an anchor are found in every block by label; the mean's denominator (the
+    anchors with positives over the global batch, weighted by their sample's weight) takes one
+    scalar all-reduce.
     """
-    ring = open_ring((features, labels), group, sizes)
+    ring = open_ring((features, labels, *_given(weights)), group, sizes)
     views = 1 if features.ndim == 2 else features.shape[1]
     with full_precision(features.device):
         embeddings = upcast(features.reshape(-1, features.shape[-1]))  # sample-major: (sample s, view v) is s·V + v
@@ -213,8 +215,9 @@ def ring_supcon(
         )
         has_positives = positive_count > 0
         # ℓ_a = logsumexp − mean positive logit; anchors without positives contribute nothing.
-        per_row = torch.where(has_positives, row_lse - positive_sum / positive_count.clamp(min=1), 0.0)
-        anchors = has_positives.sum()
-        if ring.world_size > 1:
-            dist.all_reduce(anchors, group=group)
-        return share(per_row, anchors, ring.world_size)
+        rows = torch.where(has_positives, row_lse - positive_sum / positive_count.clamp(min=1), 0.0)
+        anchor_weights = None if weights is None else weights.repeat_interleave(views)
+        # The denominator's all-reduce runs with reduction="none" too: a rank asking for "none"
+        # beside ranks asking for the mean then leaves none of them waiting.
+        mean = ring_mean(rows, ring, anchor_weights, counted=has_positives)
+        return rows.view(features.shape[:-1]) if reduction == "none" else mean

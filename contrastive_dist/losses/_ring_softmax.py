@@ -46,6 +46,7 @@ def ring_logsumexp(
     labels: Tensor | None = None,
     exclude_self: bool = False,
     columns: bool = False,
+    column_sizes: tuple[int, ...] | None = None,
     chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Row (and column) log-sum-exps of ``s · Q Kᵀ`` over the global batch; see the module docstring.
@@ -59,6 +60,8 @@ def ring_logsumexp(
         labels: one integer label per key row (SupCon), or ``None``.
         exclude_self: leave out each query's own key.
         columns: also return the column log-sum-exps of this rank's keys.
+        column_sizes: with ``columns``, how many leading key rows of each rank's block are columns
+            (InfoNCE's texts, before the rank's own negatives, which are image→text only); default: all.
         chunk_size: query rows per logit block (``None``: all at once).
 
     Returns:
@@ -79,7 +82,10 @@ def ring_logsumexp(
     """
     chunk = chunk_size or max(queries.shape[0], 1)
     wanted = tuple(torch.is_grad_enabled() and t.requires_grad for t in (queries, keys, scale))
-    options = (ring, rows_per_sample, labels, exclude_self, columns, chunk, wanted)
+    column_rows = None
+    if columns:
+        column_rows = column_sizes or tuple(size * rows_per_sample for size in ring.sizes)
+    options = (ring, rows_per_sample, labels, exclude_self, column_rows, chunk, wanted)
     return _RingLogSumExp.apply(queries, keys, scale, options)  # type: ignore[no-any-return]
 
 
@@ -111,7 +117,7 @@ class _RingLogSumExp(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, queries: Tensor, keys: Tensor, scale: Tensor, options: tuple[Any, ...]
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        ring, rows_per_sample, labels, exclude_self, columns, chunk, _ = options
+        ring, rows_per_sample, labels, exclude_self, column_rows, chunk, _ = options
         width = keys.shape[1]
         row_lse = queries.new_full((queries.shape[0],), float("-inf"))
         positive_sum = queries.new_zeros(queries.shape[0] if labels is not None else 0)
@@ -128,7 +134,8 @@ class _RingLogSumExp(torch.autograd.Function):
                     positive_sum[start:stop] += torch.where(mask, logits, 0.0).sum(dim=1)
                     positive_count[start:stop] += mask.sum(dim=1)
                 if column_lse is not None:
-                    torch.logaddexp(column_lse, torch.logsumexp(logits, dim=0), out=column_lse)
+                    column_logits = logits[:, : column_lse.shape[0]]
+                    torch.logaddexp(column_lse, torch.logsumexp(column_logits, dim=0), out=column_lse)
                 torch.logaddexp(row_lse[start:stop], torch.logsumexp(logits, dim=1), out=row_lse[start:stop])
 
         own = (keys.contiguous(),) if labels is None else (keys.contiguous(), labels.contiguous())
@@ -140,9 +147,11 @@ class _RingLogSumExp(torch.autograd.Function):
             return block_keys, labels.new_empty(block_keys.shape[0])
 
         def new_column_lse(owner: int) -> Tensor:
-            return queries.new_full((ring.sizes[owner] * rows_per_sample,), float("-inf"))
+            return queries.new_full((column_rows[owner],), float("-inf"))
 
-        col_lse = circulate(ring, own, new_block, visit, new_accumulator=new_column_lse if columns else None)
+        col_lse = circulate(
+            ring, own, new_block, visit, new_accumulator=new_column_lse if column_rows is not None else None
+        )
         if col_lse is None:
             col_lse = queries.new_zeros(0)
         ctx.save_for_backward(queries, keys, scale, row_lse, col_lse, positive_count)
@@ -156,7 +165,7 @@ class _RingLogSumExp(torch.autograd.Function):
         ctx: Any, row_grad: Tensor, col_grad: Tensor, positive_grad: Tensor, _: Tensor
     ) -> tuple[Tensor | None, ...]:
         queries, keys, scale, row_lse, col_lse, _count = ctx.saved_tensors
-        ring, rows_per_sample, labels, exclude_self, columns, chunk, wanted = ctx.options
+        ring, rows_per_sample, labels, exclude_self, column_rows, chunk, wanted = ctx.options
         want_query, want_key, want_scale = wanted
         width = keys.shape[1]
         query_grad = torch.zeros_like(queries)
@@ -164,7 +173,7 @@ class _RingLogSumExp(torch.autograd.Function):
         # What the other ranks need of a block: its keys, [column lse, column grad] (symmetric),
         # labels (SupCon); the keys travel as they are (no packed copy of an n × D block).
         own_block: Block = (keys.contiguous(),)
-        if columns:
+        if column_rows is not None:
             own_block += (torch.stack((col_lse, col_grad), dim=1),)
         if labels is not None:
             own_block += (labels.contiguous(),)
@@ -172,8 +181,8 @@ class _RingLogSumExp(torch.autograd.Function):
         def new_block(owner: int) -> Block:
             block_keys = _key_block(ring, owner, rows_per_sample, keys, width)
             block: Block = (block_keys,)
-            if columns:
-                block += (keys.new_empty(block_keys.shape[0], 2),)
+            if column_rows is not None:
+                block += (keys.new_empty(column_rows[owner], 2),)
             if labels is not None:
                 block += (labels.new_empty(block_keys.shape[0]),)
             return block
@@ -188,12 +197,13 @@ class _RingLogSumExp(torch.autograd.Function):
                 # d row_lse / d X = softmax over the row; d col_lse / d X = softmax over the column.
                 # The row term reuses the logits' memory: two c × n_b buffers at most.
                 column_term = None
-                if columns:
+                if column_rows is not None:
                     block_col_lse, block_col_grad = block[1][:, 0], block[1][:, 1]
-                    column_term = (logits - block_col_lse[None, :]).exp_().mul_(block_col_grad[None, :])
+                    column_logits = logits[:, : block_col_lse.shape[0]]
+                    column_term = (column_logits - block_col_lse[None, :]).exp_().mul_(block_col_grad[None, :])
                 logit_grad = logits.sub_(row_lse[start:stop, None]).exp_().mul_(row_grad[start:stop, None])
                 if column_term is not None:
-                    logit_grad += column_term
+                    logit_grad[:, : column_term.shape[1]] += column_term
                     del column_term
                 if labels is not None:
                     mask = _same_label(labels[start:stop], block[-1], start, own_diagonal)

@@ -22,7 +22,7 @@ from contrastive_dist.losses._chunked import Targets, cross_entropy, upcast
 from contrastive_dist.losses._module import TemperatureLoss
 from contrastive_dist.losses._negatives import SharedNegatives, check_negatives, negative_columns, negatives_marker
 from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight, mean_factor
-from contrastive_dist.losses._ring_losses import Communication, check_ring_options, ring_checks, ring_info_nce
+from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_checks, ring_info_nce
 
 __all__ = ["DistributedInfoNCE", "info_nce"]
 
@@ -85,7 +85,10 @@ def info_nce(
         communication: ``"gather"`` gathers every rank's features onto every rank (memory
             ``O(N·D + chunk·N)``); ``"ring"`` keeps the images here and passes text blocks round
             the ring, each logit block serving both directions (memory ``O(n_r·D + chunk·max_r n_r)``,
-            independent of the number of ranks); same value and gradients.
+            independent of the number of ranks); same value and gradients, every option included:
+            ``weight`` (one more scalar all-reduce), ``reduction="none"``, own negatives (they
+            travel with their rank's text block, memory ``O(chunk·max_r (n_r + k_r))``) and
+            shared negatives (local columns, no transfer).
 
     Returns:
         ``"mean"``: a scalar, this rank's share of the global loss (0 for an empty global batch or
@@ -122,10 +125,19 @@ def info_nce(
         reduction = check_reduction(reduction, weight)
         weights = check_weight(weight, image_features.shape[0], image_features)
         negatives = check_negatives(negatives, text_features)
-        communication = check_ring_options(communication, weight=weight, reduction=reduction, negatives=negatives)
+        communication = check_communication(communication)
     if communication == "ring":
         return ring_info_nce(
-            image_features, text_features, scale, symmetric=symmetric, chunk_size=chunk_size, group=group, sizes=sizes
+            image_features,
+            text_features,
+            scale,
+            symmetric=symmetric,
+            chunk_size=chunk_size,
+            group=group,
+            sizes=sizes,
+            negatives=negatives,
+            weights=weights,
+            reduction=reduction,
         )
     world_size = get_world_size(group)
     own = (image_features, text_features) if symmetric else (text_features,)
@@ -161,7 +173,7 @@ class DistributedInfoNCE(TemperatureLoss):
         group: the process group (default: the world).
         reduction: ``"mean"`` or ``"none"`` (per-pair losses; the caller normalises).
         communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
-            ranks); see :func:`info_nce`.
+            ranks; takes ``negatives``, ``weight`` and ``reduction`` too); see :func:`info_nce`.
 
     Shape:
         image_features, text_features: ``(n_r, D)``; logit_scale: ``()``; negatives: ``(k_r, D)``;

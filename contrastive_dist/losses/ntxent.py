@@ -21,7 +21,7 @@ from contrastive_dist.losses._checks import (
 from contrastive_dist.losses._chunked import Targets, cross_entropy, full_precision, upcast
 from contrastive_dist.losses._module import TemperatureLoss
 from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight, mean_factor
-from contrastive_dist.losses._ring_losses import Communication, check_ring_options, ring_checks, ring_nt_xent
+from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_checks, ring_nt_xent
 
 __all__ = ["NTXentLoss", "nt_xent"]
 
@@ -70,7 +70,8 @@ def nt_xent(
         reduction: ``"mean"`` (this rank's share of the global mean) or ``"none"`` (per-sample losses).
         communication: ``"gather"`` gathers both views of every rank onto every rank (memory
             ``O(N·D + chunk·N)``); ``"ring"`` passes blocks of both views round the ring instead
-            (memory ``O(n_r·D + chunk·max_r n_r)``, independent of the number of ranks); same result.
+            (memory ``O(n_r·D + chunk·max_r n_r)``, independent of the number of ranks); same result,
+            with ``weight`` (one more scalar all-reduce) and ``reduction="none"`` too.
 
     Returns:
         ``"mean"``: a scalar, this rank's share of the global loss (0 for an empty global batch or
@@ -100,9 +101,11 @@ def nt_xent(
         chunk_size = check_chunk_size(chunk_size)
         reduction = check_reduction(reduction, weight)
         weights = check_weight(weight, z1.shape[0], z1)
-        communication = check_ring_options(communication, weight=weight, reduction=reduction)
+        communication = check_communication(communication)
     if communication == "ring":
-        return ring_nt_xent(z1, z2, scale, chunk_size=chunk_size, group=group, sizes=sizes)
+        return ring_nt_xent(
+            z1, z2, scale, chunk_size=chunk_size, group=group, sizes=sizes, weights=weights, reduction=reduction
+        )
     gathered = all_gather_many((z1, z2) + (() if weights is None else (weights,)), group=group, sizes=sizes)
     total = sum(gathered.sizes)
     with full_precision(z1.device):
@@ -137,7 +140,7 @@ class NTXentLoss(TemperatureLoss):
         group: the process group (default: the world).
         reduction: ``"mean"`` or ``"none"`` (per-sample losses; the caller normalises).
         communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
-            ranks); see :func:`nt_xent`.
+            ranks; takes ``weight`` and ``reduction`` too); see :func:`nt_xent`.
 
     Shape:
         z1, z2: ``(n_r, D)``; logit_scale: ``()``; weight: ``(n_r,)``; output: ``()``, or ``(n_r,)``

@@ -26,7 +26,6 @@ from contrastive_dist.losses._reduction import Reduction, check_reduction, check
 from contrastive_dist.losses._ring_losses import (
     Communication,
     check_communication,
-    check_ring_options,
     ring_checks,
     ring_siglip,
 )
@@ -82,7 +81,8 @@ def siglip(
         communication: ``"gather"`` gathers every rank's texts onto every rank (memory
             ``O(N·D + chunk·N)``); ``"ring"`` keeps them local and passes text blocks round the
             ring instead (memory ``O(n_r·D + chunk·max_r n_r)``, independent of the number of
-            ranks); same value and gradients.
+            ranks); same value and gradients, with ``weight`` (one more scalar all-reduce) and
+            ``reduction="none"`` too.
 
     Returns:
         ``"mean"``: a scalar, this rank's share of the global loss (0 for an empty global batch or
@@ -113,9 +113,19 @@ def siglip(
         chunk_size = check_chunk_size(chunk_size)
         reduction = check_reduction(reduction, weight)
         weights = check_weight(weight, image_features.shape[0], image_features)
-        communication = check_ring_options(communication, weight=weight, reduction=reduction)
+        communication = check_communication(communication)
     if communication == "ring":
-        return ring_siglip(image_features, text_features, scale, bias, chunk_size=chunk_size, group=group, sizes=sizes)
+        return ring_siglip(
+            image_features,
+            text_features,
+            scale,
+            bias,
+            chunk_size=chunk_size,
+            group=group,
+            sizes=sizes,
+            weights=weights,
+            reduction=reduction,
+        )
     own = (text_features,) + (() if weights is None else (weights,))
     gathered = all_gather_many(own, group=group, sizes=sizes)
     factor = mean_factor(get_world_size(group), sum(gathered.sizes), None if weights is None else gathered.tensors[1])
@@ -218,7 +228,7 @@ class SigLIPLoss(nn.Module):
         group: the process group (default: the world).
         reduction: ``"mean"`` or ``"none"`` (per-row losses; the caller normalises).
         communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
-            ranks); see :func:`siglip`.
+            ranks; takes ``weight`` and ``reduction`` too); see :func:`siglip`.
 
     Shape:
         image_features, text_features: ``(n_r, D)``; logit_scale, logit_bias: ``()``;

@@ -21,7 +21,7 @@ from contrastive_dist.losses._checks import (
 from contrastive_dist.losses._chunked import Targets, cross_entropy, full_precision, upcast
 from contrastive_dist.losses._module import TemperatureLoss
 from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight
-from contrastive_dist.losses._ring_losses import Communication, check_ring_options, ring_checks, ring_supcon
+from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_checks, ring_supcon
 
 __all__ = ["SupConLoss", "supcon"]
 
@@ -82,7 +82,8 @@ def supcon(
         communication: ``"gather"`` gathers every rank's embeddings and labels onto every rank
             (memory ``O(N·V·D + chunk·N·V)``); ``"ring"`` passes blocks of them round the ring
             instead (memory ``O(n_r·V·D + chunk·max_r n_r·V)``, independent of the number of ranks;
-            the anchor count takes one scalar all-reduce); same result.
+            the anchor count, or with ``weight`` the anchors' weight total, takes one scalar
+            all-reduce); same result, with ``weight`` and ``reduction="none"`` too.
 
     Returns:
         ``"mean"``: a scalar, this rank's share of the global loss; ``"none"``: this rank's
@@ -114,9 +115,18 @@ def supcon(
         chunk_size = check_chunk_size(chunk_size)
         reduction = check_reduction(reduction, weight)
         weights = check_weight(weight, features.shape[0], features)
-        communication = check_ring_options(communication, weight=weight, reduction=reduction)
+        communication = check_communication(communication)
     if communication == "ring":
-        return ring_supcon(features, labels, scale, chunk_size=chunk_size, group=group, sizes=sizes)
+        return ring_supcon(
+            features,
+            labels,
+            scale,
+            chunk_size=chunk_size,
+            group=group,
+            sizes=sizes,
+            weights=weights,
+            reduction=reduction,
+        )
     own = (features, labels) + (() if weights is None else (weights,))
     gathered = all_gather_many(own, group=group, sizes=sizes)
     all_features, all_labels = gathered.tensors[:2]
@@ -175,7 +185,7 @@ class SupConLoss(TemperatureLoss):
         group: the process group (default: the world).
         reduction: ``"mean"`` or ``"none"`` (per-anchor losses; the caller normalises).
         communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
-            ranks); see :func:`supcon`.
+            ranks; takes ``weight`` and ``reduction`` too); see :func:`supcon`.
 
     Shape:
         features: ``(n_r, D)`` or ``(n_r, V, D)``; labels, weight: ``(n_r,)``; logit_scale: ``()``;
