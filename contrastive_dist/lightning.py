@@ -151,7 +151,7 @@ def streaming_loader(
     lookahead: int = 1,
     **loader_options: Any,
 ) -> DistributedStreamingBatches:
-    """Drop-last-free batches of a sharded stream for this rank, for ``train_dataloader()``.
+    """Drop-last-free batches of a sharded stream for this rank, for ``train_dataloader()``; needs webdataset.
 
     Call it from ``train_dataloader()``: ``return streaming_loader(urls, self.trainer,
     wds.tarfile_to_samples(), wds.decode("pil"), wds.map(preprocess), batch_size=64, example=...)``.
@@ -210,12 +210,19 @@ def streaming_loader(
     _check_trainer(trainer, "streaming_loader")
     placement = {} if trainer is None else {"num_replicas": trainer.world_size, "rank": trainer.global_rank}
     shard_list = DistributedShardList(shards, shuffle=shuffle, seed=seed, **placement)
+    try:
+        collate = EmptySafeCollate([example], collate_fn)
+    except Exception as error:  # checked here, on every rank, rather than at a rank's first empty step
+        raise TypeError(
+            f"example must be one sample as the stages yield it, which collate_fn can collate; collating "
+            f"[example] raised {type(error).__name__}: {error}"
+        ) from error
     if num_workers > 0:
         loader_options.setdefault("multiprocessing_context", "forkserver")
     loader = DataLoader(
         wds.DataPipeline(shard_list, *stages),
         batch_size=batch_size,
-        collate_fn=EmptySafeCollate([example], collate_fn),
+        collate_fn=collate,
         num_workers=num_workers,
         **loader_options,
     )

@@ -74,8 +74,8 @@ def test_two_processes_on_uneven_shards_train_to_the_weights_of_one_fed_the_same
     write(tmp_path / "one_shards", global_batches[:3], train)
     (tmp_path / "one_record").mkdir()
     run("clip.py", *common, "--data", f"webdataset:{tmp_path / 'one_shards'}", "--devices", "1", "--batch-size",
-        str(2 * BATCH), "--output-dir", "one", cwd=tmp_path, env={"RECIPE_RECORD_SAMPLES": str(tmp_path / "one_record")},
-        hooks=True)
+        str(2 * BATCH), "--output-dir", "one", cwd=tmp_path,
+        env={"RECIPE_RECORD_SAMPLES": str(tmp_path / "one_record")}, hooks=True)
     assert [ids for _, _, ids in recorded(tmp_path / "one_record", 0)] == global_batches
 
     two, one = weights(tmp_path / "two/checkpoints/last.ckpt"), weights(tmp_path / "one/checkpoints/last.ckpt")
