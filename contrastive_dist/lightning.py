@@ -14,7 +14,8 @@ Three functions, nothing to subclass:
   rank and DataLoader worker reads its own shards (:class:`~contrastive_dist.DistributedShardList`)
   and a rank that runs out yields empty batches until every rank has
   (:class:`~contrastive_dist.DistributedStreamingBatches`), so uneven shards never hang DDP. A
-  stream cannot seek: a run resumed mid-epoch starts that epoch's stream again.
+  stream cannot seek: resume it from a checkpoint saved at the end of an epoch (from one saved
+  mid-epoch, :func:`step_sizes` raises a ``ValueError`` that says so).
 * :func:`step_sizes` gives the per-rank batch sizes of the current training step, for either
   loader, to pass to a loss as ``sizes=`` so that it skips its size exchange: the training step is
   the same for map-style and streamed data.
@@ -250,7 +251,12 @@ def step_sizes(trainer: Any, batch_idx: int) -> tuple[int, ...]:
     loader = trainer.train_dataloader
     if isinstance(loader, DistributedStreamingBatches):
         # Known once the ranks agreed on the step; Lightning fetches one batch ahead, kept too.
-        return loader.sizes(batch_idx)
+        try:
+            return loader.sizes(batch_idx)
+        except ValueError as error:
+            # Lightning resumes batch_idx mid-epoch, but a stream restarts its epoch at step 0.
+            raise ValueError(f"{error} (a stream cannot resume mid-epoch: resume from a checkpoint saved at the "
+                             "end of an epoch)") from error
     sampler = getattr(loader, "batch_sampler", None)
     if not isinstance(sampler, DistributedBatchSampler):
         raise TypeError(

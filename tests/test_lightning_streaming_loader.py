@@ -105,6 +105,8 @@ def test_one_process_options_and_refusals(tmp_path: Path) -> None:
         train_dataloader = batches
 
     assert step_sizes(Trainer(), 3) == (3,)
+    with pytest.raises(ValueError, match="sizes of step 7 are not known.*cannot resume mid-epoch"):
+        step_sizes(Trainer(), 7)  # what Lightning asks after a mid-epoch resume: a stream restarts at step 0
     with pytest.raises(ValueError, match="use_distributed_sampler=False"):
         streaming_loader(shards, trainer(use_distributed_sampler=True), *stages, batch_size=2, example=(point(0), 0))
     rank1 = streaming_loader(shards, trainer(), *stages, batch_size=2, example=(point(0), 0), shuffle=False)
