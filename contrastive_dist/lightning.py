@@ -1,6 +1,6 @@
 """Drop-last-free loading and exact mid-epoch resume for a Lightning ``LightningModule`` or ``LightningDataModule``.
 
-Two functions, nothing to subclass:
+Three functions, nothing to subclass:
 
 * :func:`distributed_loader` builds, when Lightning asks for a loader, a torchdata
   ``StatefulDataLoader`` over a :class:`~contrastive_dist.DistributedBatchSampler` (rank and world
@@ -10,8 +10,15 @@ Two functions, nothing to subclass:
   ``load_state_dict``, which Lightning saves in every checkpoint and restores on
   ``trainer.fit(..., ckpt_path=...)``: a run resumed from a mid-epoch checkpoint continues with the
   very next global batch, with or without worker processes (the loader accounts for their prefetching).
-* :func:`step_sizes` gives the per-rank batch sizes of the current training step, to pass to a
-  loss as ``sizes=`` so that it skips its size exchange.
+* :func:`streaming_loader` does the same for sharded streams (webdataset tar shards, say): each
+  rank and DataLoader worker reads its own shards (:class:`~contrastive_dist.DistributedShardList`)
+  and a rank that runs out yields empty batches until every rank has
+  (:class:`~contrastive_dist.DistributedStreamingBatches`), so uneven shards never hang DDP. A
+  stream cannot seek: resume it from a checkpoint saved at the end of an epoch (from one saved
+  mid-epoch, :func:`step_sizes` raises a ``ValueError`` that says so).
+* :func:`step_sizes` gives the per-rank batch sizes of the current training step, for either
+  loader, to pass to a loss as ``sizes=`` so that it skips its size exchange: the training step is
+  the same for map-style and streamed data.
 
 Pass ``Trainer(use_distributed_sampler=False)``: left on, Lightning would rebuild the loader around
 its own ``DistributedSampler``; :func:`distributed_loader` raises a ``ValueError`` that says so.
@@ -19,8 +26,8 @@ The ``training_step`` must return a loss connected to the parameters on a rank w
 empty (the losses of this package do); returning ``None`` there makes that rank skip the backward
 and the other ranks wait for it forever.
 
-Lightning, torchdata and this module are imported only when used: ``import contrastive_dist``
-imports none of them.
+Lightning, torchdata, webdataset and this module are imported only when used: ``import
+contrastive_dist`` imports none of them.
 
 Example:
     >>> import torch
@@ -36,18 +43,20 @@ Example:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from torch.utils.data import default_collate
+from torch.utils.data import DataLoader, default_collate
 
 from contrastive_dist.collate import EmptySafeCollate
 from contrastive_dist.sampler import DistributedBatchSampler
+from contrastive_dist.shards import DistributedShardList
+from contrastive_dist.streaming import DistributedStreamingBatches
 
 if TYPE_CHECKING:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-__all__ = ["distributed_loader", "step_sizes"]
+__all__ = ["distributed_loader", "step_sizes", "streaming_loader"]
 
 
 def _rebuilds_loaders(trainer: Any) -> bool:
@@ -55,6 +64,14 @@ def _rebuilds_loaders(trainer: Any) -> bool:
     # (or a future Lightning that moved it) is given the benefit of the doubt.
     connector = getattr(trainer, "_accelerator_connector", None)
     return bool(getattr(connector, "use_distributed_sampler", False)) and trainer.world_size > 1
+
+
+def _check_trainer(trainer: Any, builder: str) -> None:
+    if trainer is not None and _rebuilds_loaders(trainer):
+        raise ValueError(
+            "this Trainer was built with use_distributed_sampler=True, so Lightning would replace the "
+            f"drop-last-free sampler of {builder} with its own; pass Trainer(..., use_distributed_sampler=False)"
+        )
 
 
 def distributed_loader(
@@ -102,12 +119,7 @@ def distributed_loader(
     for name in ("batch_sampler", "sampler", "batch_size", "shuffle", "drop_last"):
         if name in loader_options:
             raise TypeError(f"distributed_loader sets {name!r} itself; got it in loader_options")
-    if trainer is not None and _rebuilds_loaders(trainer):
-        raise ValueError(
-            "this Trainer was built with use_distributed_sampler=True, so Lightning would replace the "
-            "drop-last-free sampler of distributed_loader with its own; pass "
-            "Trainer(..., use_distributed_sampler=False)"
-        )
+    _check_trainer(trainer, "distributed_loader")
     try:
         length = len(dataset)
     except TypeError as error:
@@ -127,6 +139,97 @@ def distributed_loader(
         )
 
 
+def streaming_loader(
+    shards: Sequence[Any],
+    trainer: Any | None,
+    *stages: Callable[[Iterator[Any]], Iterator[Any]],
+    batch_size: int,
+    example: Any,
+    shuffle: bool = True,
+    seed: int = 0,
+    collate_fn: Callable[[list[Any]], Any] = default_collate,
+    num_workers: int = 0,
+    lookahead: int = 1,
+    **loader_options: Any,
+) -> DistributedStreamingBatches:
+    """Drop-last-free batches of a sharded stream for this rank, for ``train_dataloader()``; needs webdataset.
+
+    Call it from ``train_dataloader()``: ``return streaming_loader(urls, self.trainer,
+    wds.tarfile_to_samples(), wds.decode("pil"), wds.map(preprocess), batch_size=64, example=...)``.
+    The shards are split over the trainer's ranks and each rank's DataLoader workers
+    (:class:`~contrastive_dist.DistributedShardList`, a new seeded order each epoch), the samples
+    flow through ``stages`` (a ``webdataset.DataPipeline``), and the batches are wrapped in a
+    :class:`~contrastive_dist.DistributedStreamingBatches`: every rank runs the same number of
+    steps, every sample is used once per epoch. Lightning's ``set_epoch`` reaches the shard order.
+
+    Args:
+        shards: the shard names or URLs of the whole dataset, the same list on every rank.
+        trainer: the ``lightning.Trainer`` (rank and world size are read from it), or ``None``
+            to read them from the default process group (one process without one).
+        *stages: webdataset pipeline stages after the shard list (``wds.tarfile_to_samples()``,
+            ``wds.decode(...)``, ``wds.map(...)``, ...); picklable when ``num_workers > 0``.
+        batch_size: samples per rank per step (a rank's last batches may be smaller or empty).
+        example: one sample as the stages yield it; it shapes the empty batch of a rank that ran out.
+        shuffle: a new shard order each epoch; ``False`` reads shard ``i`` on rank ``i % world size``
+            every epoch (reproducible comparisons).
+        seed: the base seed of the shard order; the same on every rank.
+        collate_fn: collates a non-empty list of samples.
+        num_workers: DataLoader worker processes per rank, started with ``forkserver`` (workers
+            forked from a process in a gloo group were seen to hang) and new each epoch.
+        lookahead: batches fetched per agreement between the ranks (see
+            :class:`~contrastive_dist.DistributedStreamingBatches`).
+        **loader_options: any other ``DataLoader`` option (``pin_memory``, ``prefetch_factor``, ...).
+
+    Returns:
+        A :class:`~contrastive_dist.DistributedStreamingBatches` over a ``DataLoader``.
+
+    Raises:
+        ValueError: the trainer would replace the sampler (``use_distributed_sampler=True`` under
+            DDP), or an option is out of range.
+        TypeError: an option that this function sets was given, or ``example`` does not collate.
+
+    Shape:
+        - each batch: ``collate_fn`` of ``step_sizes(trainer, step)[rank]`` samples (possibly 0).
+
+    Example:
+        >>> import tempfile, webdataset as wds
+        >>> path = f"{tempfile.mkdtemp()}/shard-000000.tar"
+        >>> with wds.TarWriter(path) as sink:
+        ...     for i in range(5):
+        ...         _ = sink.write({"__key__": f"{i:06d}", "cls": i})
+        >>> batches = streaming_loader([path], None, wds.tarfile_to_samples(), wds.decode(), wds.to_tuple("cls"),
+        ...                            batch_size=2, example=(0,))             # no trainer: one process
+        >>> [(ids.tolist(), batches.sizes(step)) for step, (ids,) in enumerate(batches)]
+        [([0, 1], (2,)), ([2, 3], (2,)), ([4], (1,))]
+
+    """
+    import webdataset as wds
+
+    for name in ("batch_sampler", "sampler", "batch_size", "shuffle", "drop_last", "persistent_workers"):
+        if name in loader_options:
+            raise TypeError(f"streaming_loader sets {name!r} itself; got it in loader_options")
+    _check_trainer(trainer, "streaming_loader")
+    placement = {} if trainer is None else {"num_replicas": trainer.world_size, "rank": trainer.global_rank}
+    shard_list = DistributedShardList(shards, shuffle=shuffle, seed=seed, **placement)
+    try:
+        collate = EmptySafeCollate([example], collate_fn)
+    except Exception as error:  # checked here, on every rank, rather than at a rank's first empty step
+        raise TypeError(
+            f"example must be one sample as the stages yield it, which collate_fn can collate; collating "
+            f"[example] raised {type(error).__name__}: {error}"
+        ) from error
+    if num_workers > 0:
+        loader_options.setdefault("multiprocessing_context", "forkserver")
+    loader = DataLoader(
+        wds.DataPipeline(shard_list, *stages),
+        batch_size=batch_size,
+        collate_fn=collate,
+        num_workers=num_workers,
+        **loader_options,
+    )
+    return DistributedStreamingBatches(loader, lookahead=lookahead)
+
+
 def step_sizes(trainer: Any, batch_idx: int) -> tuple[int, ...]:
     """The per-rank batch sizes of training step ``batch_idx``; the same tuple on every rank.
 
@@ -136,20 +239,30 @@ def step_sizes(trainer: Any, batch_idx: int) -> tuple[int, ...]:
 
     Args:
         trainer: a ``lightning.Trainer`` whose training loader came from :func:`distributed_loader`
-            (or has a :class:`~contrastive_dist.DistributedBatchSampler` as ``batch_sampler``).
+            or :func:`streaming_loader` (or is a :class:`~contrastive_dist.DistributedStreamingBatches`,
+            or has a :class:`~contrastive_dist.DistributedBatchSampler` as ``batch_sampler``).
         batch_idx: the step within the current epoch.
 
     Raises:
-        TypeError: the training loader has no :class:`~contrastive_dist.DistributedBatchSampler`.
-        ValueError: ``batch_idx`` is not a step of the epoch.
+        TypeError: the training loader is none of these.
+        ValueError: ``batch_idx`` is not a step of the epoch (for a stream: not one of its recent steps).
 
     """
     loader = trainer.train_dataloader
+    if isinstance(loader, DistributedStreamingBatches):
+        # Known once the ranks agreed on the step; Lightning fetches one batch ahead, kept too.
+        try:
+            return loader.sizes(batch_idx)
+        except ValueError as error:
+            # Lightning resumes batch_idx mid-epoch, but a stream restarts its epoch at step 0.
+            raise ValueError(f"{error} (a stream cannot resume mid-epoch: resume from a checkpoint saved at the "
+                             "end of an epoch)") from error
     sampler = getattr(loader, "batch_sampler", None)
     if not isinstance(sampler, DistributedBatchSampler):
         raise TypeError(
-            "step_sizes needs a training loader built by distributed_loader (a DistributedBatchSampler as "
-            f"batch_sampler); the trainer's train_dataloader is a {type(loader).__name__} with batch_sampler "
+            "step_sizes needs a training loader built by distributed_loader or streaming_loader (a "
+            "DistributedBatchSampler as batch_sampler, or a DistributedStreamingBatches); the trainer's "
+            f"train_dataloader is a {type(loader).__name__} with batch_sampler "
             f"{type(sampler).__name__}"
         )
     return sampler.sizes(batch_idx)

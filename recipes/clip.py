@@ -26,6 +26,18 @@ torchrun (Lightning reads the torchelastic environment; devices and nodes follow
 Real data: ``--data csv:PATH`` with ``filepath`` and ``title`` columns (tab or comma separated;
 ``--csv-image-column``/``--csv-caption-column`` rename them); the last ``--val-size`` rows are held
 out. Resume: ``--resume runs/clip/checkpoints/last.ckpt`` (mid-epoch is fine).
+
+Sharded streams: ``--data webdataset:PATH``, PATH a directory of ``.tar`` shards or a brace pattern
+(``shards/{000000..000999}.tar``; URLs and ``pipe:`` commands as webdataset reads them). Each sample
+is the files of one key in a shard: an image (``jpg``, ``jpeg``, ``png`` or ``webp``) and its caption
+(``txt``), as img2dataset writes them; a numeric key is the sample's id in the logs. Each rank and
+DataLoader worker reads its own shards, a new order each epoch; a rank that runs out trains on
+empty batches until every rank has (``contrastive_dist.lightning.streaming_loader``). The first
+``--val-size`` samples of ``--val-data PATH`` are held out (default: of the last shard, which is then
+not trained on). No download needed to try it::
+
+    python recipes/clip.py --write-shards shards/            # the shapes data as .tar shards
+    python recipes/clip.py --data webdataset:shards/
 """
 
 from __future__ import annotations
@@ -36,6 +48,8 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +74,7 @@ from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
 from contrastive_dist import DistributedInfoNCE, convert_sync_batchnorm, retrieval_accuracy
-from contrastive_dist.lightning import distributed_loader, step_sizes
+from contrastive_dist.lightning import distributed_loader, step_sizes, streaming_loader
 
 # -- data -----------------------------------------------------------------------------------------
 
@@ -140,10 +154,109 @@ def csv_data(location: str, args: argparse.Namespace) -> tuple[Dataset, Dataset]
             CsvCaptions(rows[-args.val_size :], path.parent, held_out))
 
 
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+
+
+class WebDatasetPair:
+    """A decoded webdataset sample → ``(image uint8 (3, S, S), caption, id)``; picklable for workers.
+
+    The id is the sample's key as an int when it is a number (img2dataset's keys are), else -1.
+    """
+
+    def __init__(self, transform: v2.Transform) -> None:
+        self.transform = transform
+
+    def __call__(self, sample: dict[str, Any]) -> tuple[Tensor, str, int]:
+        image = next((sample[key] for key in IMAGE_EXTENSIONS if key in sample), None)
+        if image is None or not isinstance(sample.get("txt"), str):
+            raise ValueError(f"sample {sample.get('__key__')!r} of {sample.get('__url__')}: expected an image "
+                             f"({', '.join(IMAGE_EXTENSIONS)}) and a caption (txt), found {sorted(sample)}")
+        key = str(sample["__key__"]).rsplit("/", 1)[-1]
+        return self.transform(image.convert("RGB")), sample["txt"], int(key) if key.isdigit() else -1
+
+
+@dataclass
+class Shards:
+    """The training shards of a stream; ``train_dataloader`` reads them through ``streaming_loader``."""
+
+    urls: list[str]
+    pair: WebDatasetPair
+    example: tuple[Tensor, str, int]
+
+    def loader(self, trainer: L.Trainer, args: argparse.Namespace, collate: CaptionCollate) -> Any:
+        import webdataset as wds
+
+        return streaming_loader(self.urls, trainer, wds.tarfile_to_samples(), wds.decode("pil"), wds.map(self.pair),
+                                batch_size=args.batch_size, example=self.example, collate_fn=collate,
+                                shuffle=not args.fixed_shard_order, seed=args.seed, num_workers=args.num_workers)
+
+
+def shard_urls(location: str) -> list[str]:
+    """A directory's ``*.tar`` files (sorted), or a brace pattern's expansion; local files must exist."""
+    import braceexpand  # a dependency of webdataset
+
+    path = Path(location).expanduser()
+    urls = sorted(map(str, path.glob("*.tar"))) if path.is_dir() else list(braceexpand.braceexpand(location))
+    missing = [url for url in urls if "://" not in url and not url.startswith("pipe:") and not Path(url).is_file()]
+    if not urls or missing:
+        raise ValueError(f"webdataset:{location}: expected a directory of .tar shards or a brace pattern of shard "
+                         f"files, found {len(urls)} shard(s)" + (f", {len(missing)} missing: {missing[0]}" if missing
+                                                                 else ""))
+    return urls
+
+
+def webdataset_data(location: str, args: argparse.Namespace) -> tuple[Shards, list[tuple[Tensor, str, int]]]:
+    """Training shards streamed; the first ``--val-size`` samples of ``--val-data`` (or of the last shard) held out."""
+    import webdataset as wds
+
+    if args.resume is not None:
+        raise ValueError("--resume is not supported with --data webdataset: (a stream cannot seek to the step)")
+    if args.max_steps <= 0 and args.optimizer == "adamw":
+        raise ValueError("--data webdataset: has no length to plan the learning-rate schedule: give --max-steps")
+    urls = shard_urls(location)
+    held_out_urls = shard_urls(args.val_data) if args.val_data else urls[-1:]
+    urls = urls if args.val_data else urls[:-1]
+    if not urls:
+        raise ValueError(f"webdataset:{location} has one shard, held out for evaluation: add shards or --val-data")
+    to_uint8 = [v2.ToImage(), v2.ToDtype(torch.uint8, scale=True)]
+    held_out = v2.Compose([v2.Resize(args.image_size, antialias=True), v2.CenterCrop(args.image_size), *to_uint8])
+    augment = v2.Compose([v2.RandomResizedCrop(args.image_size, scale=(0.7, 1.0), antialias=True), *to_uint8])
+    reader = wds.DataPipeline(wds.SimpleShardList(held_out_urls), wds.tarfile_to_samples(), wds.decode("pil"),
+                              wds.map(WebDatasetPair(held_out)))
+    val_set = list(islice(reader, args.val_size))
+    if not val_set:
+        raise ValueError(f"the held-out shards {held_out_urls[:3]} hold no sample")
+    pair = WebDatasetPair(held_out if args.deterministic_data else augment)
+    return Shards(urls, pair, val_set[0]), val_set
+
+
+def write_shards(directory: Path, args: argparse.Namespace) -> list[Path]:
+    """The generated shapes as webdataset shards: ``--shard-size`` training pairs a shard, then the held-out split.
+
+    Keys are the sample ids (held-out ids follow the training ones); images are lossless PNG.
+    """
+    import webdataset as wds
+
+    train, val = shapes_data("", args)
+    directory.mkdir(parents=True, exist_ok=True)
+    groups = [(train, range(start, min(start + args.shard_size, len(train))))
+              for start in range(0, len(train), args.shard_size)] + [(val, range(len(val)))]
+    paths, key = [], 0
+    for number, (dataset, indices) in enumerate(groups):
+        paths.append(directory / f"shapes-{number:06d}.tar")
+        with wds.TarWriter(str(paths[-1])) as sink:
+            for index in indices:
+                image, text = dataset[index][:2]
+                sink.write({"__key__": f"{key:09d}", "png": image.permute(1, 2, 0).numpy(), "txt": text})
+                key += 1
+    return paths
+
+
 # --data KIND[:LOCATION] → (train, held-out); a new source is one function and one entry here.
-DATA_SOURCES: dict[str, Callable[[str, argparse.Namespace], tuple[Dataset, Dataset]]] = {
+DATA_SOURCES: dict[str, Callable[[str, argparse.Namespace], tuple[Any, Any]]] = {
     "shapes": shapes_data,
     "csv": csv_data,
+    "webdataset": webdataset_data,
 }
 
 # -- model ----------------------------------------------------------------------------------------
@@ -173,7 +286,7 @@ class TextTransformer(nn.Module):
 class CLIP(L.LightningModule):
     """Two towers, a shared embedding space and a learnable temperature."""
 
-    def __init__(self, args: argparse.Namespace, train_set: Dataset, val_set: Dataset) -> None:
+    def __init__(self, args: argparse.Namespace, train_set: Dataset | Shards, val_set: Any) -> None:
         super().__init__()
         self.args, self.train_set, self.val_set = args, train_set, val_set
         image_tower, features = small_image_resnet(args.backbone, width=args.width)
@@ -188,6 +301,8 @@ class CLIP(L.LightningModule):
         self.val_features: list[tuple[Tensor, Tensor]] = []
 
     def train_dataloader(self) -> Any:
+        if isinstance(self.train_set, Shards):  # --data webdataset:PATH
+            return self.train_set.loader(self.trainer, self.args, self.collate)
         return distributed_loader(self.train_set, self.trainer, batch_size=self.args.batch_size, seed=self.args.seed,
                                   collate_fn=self.collate, num_workers=self.args.num_workers)
 
@@ -263,7 +378,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     training_flags(parser, batch_size=64, lr=2e-3, max_steps=400, val_every=50)
     data = parser.add_argument_group("data and model")
-    data.add_argument("--data", default="shapes", help="'shapes' (generated, offline) or 'csv:PATH'")
+    data.add_argument("--data", default="shapes", help="'shapes' (generated, offline), 'csv:PATH', or "
+                      "'webdataset:PATH': a directory or brace pattern of .tar shards whose samples hold an image "
+                      "(jpg, jpeg, png or webp) and a caption (txt), as img2dataset writes them")
+    data.add_argument("--val-data", default=None, help="webdataset: held-out shards (directory or brace pattern); "
+                      "default: the last shard of --data")
+    data.add_argument("--fixed-shard-order", action="store_true",
+                      help="webdataset: the same shard order every epoch (reproducible comparisons)")
+    data.add_argument("--write-shards", type=Path, default=None, metavar="DIR",
+                      help="write the generated shapes (--train-size, --val-size) as .tar shards to DIR and exit; "
+                      "then train on them with --data webdataset:DIR")
+    data.add_argument("--shard-size", type=int, default=1000, help="training pairs per shard for --write-shards")
     data.add_argument("--csv-image-column", default="filepath", help="CSV column of image paths (relative to the CSV)")
     data.add_argument("--csv-caption-column", default="title", help="CSV column of captions")
     data.add_argument("--csv-separator", default=None, help="default: tab if the header has one, else comma")
@@ -286,6 +411,13 @@ def main(argv: Sequence[str] | None = None, callbacks: Sequence[L.Callback] = ()
     start = time.perf_counter()
     args = parse_args(argv)
     L.seed_everything(args.seed, workers=True, verbose=False)
+    if args.write_shards is not None:
+        if args.shard_size < 1:
+            sys.exit(f"error: --shard-size must be >= 1, got {args.shard_size}")
+        paths = write_shards(args.write_shards, args)
+        print(f"wrote {len(paths)} shards ({len(paths) - 1} training, the last held out) to {args.write_shards}; "
+              f"train with: python {sys.argv[0]} --data webdataset:{args.write_shards}")
+        return
     kind, _, location = args.data.partition(":")
     if kind not in DATA_SOURCES:
         sys.exit(f"error: --data must be one of {sorted(DATA_SOURCES)} (with ':PATH' where needed), got {args.data!r}")

@@ -165,7 +165,7 @@ def test_importing_the_package_imports_neither_lightning_nor_torchvision():
 @pytest.mark.timeout(240)
 def test_readme_lightning_module_trains_on_two_processes(tmp_path):
     (block,) = [block for block in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
-                if "contrastive_dist.lightning" in block]
+                if "contrastive_dist.lightning import distributed_loader" in block]
     script = tmp_path / "readme_module.py"
     script.write_text(block)
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=200)
