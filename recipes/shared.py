@@ -181,6 +181,9 @@ def training_flags(parser: argparse.ArgumentParser, *, batch_size: int, lr: floa
     train.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                        help="sgd: plain SGD at a constant lr (used by the exactness test)")
     train.add_argument("--seed", type=int, default=0, help="seeds model init, data order and generated data")
+    train.add_argument("--communication", choices=("gather", "ring"), default="gather",
+                       help="the loss's communication: ring keeps per-rank memory independent of the number of "
+                       "processes (same loss and gradients; README, 'Ring mode')")
     train.add_argument("--no-sync-bn", action="store_true", help="per-rank BatchNorm statistics, not global ones")
     train.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
     train.add_argument("--val-every", type=int, default=val_every,
