@@ -303,6 +303,9 @@ def fit(trainer: L.Trainer, module: L.LightningModule, args: argparse.Namespace)
     Exits non-zero when a rank process this one launched failed: Lightning's ``ddp`` launcher
     watches its children only while rank 0 trains, so one that dies later would go unnoticed.
     """
+    # Lightning loads a checkpoint's weights before it converts the module to the precision's dtype:
+    # converted first, a float64 run (--precision 64-true) resumes without a round trip through float32.
+    module = trainer.precision_plugin.convert_module(module)
     trainer.fit(module, ckpt_path=None if args.resume is None else str(args.resume), weights_only=True)
     failed = [(process.pid, process.wait()) for process in getattr(trainer.strategy.launcher, "procs", [])]
     failed = [(pid, code) for pid, code in failed if code != 0]

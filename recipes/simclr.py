@@ -190,7 +190,7 @@ def knn_accuracy(bank: Tensor, bank_labels: Tensor, queries: Tensor, query_label
     """Similarity-weighted k-NN vote (as in instance-discrimination papers) on normalised features."""
     similarity, neighbours = (queries @ bank.T).topk(min(k, len(bank)), dim=1)
     weights = (similarity / temperature).exp()
-    votes = torch.zeros(len(queries), classes).scatter_add_(1, bank_labels[neighbours], weights)
+    votes = weights.new_zeros(len(queries), classes).scatter_add_(1, bank_labels[neighbours], weights)
     return (votes.argmax(1) == query_labels).float().mean().item()
 
 

@@ -238,3 +238,58 @@ def test_torchrun_recipe_resumes_mid_epoch_and_two_processes_train_to_the_weight
             scale = value.abs().max().clamp_min(1e-6)
             assert (two["model"][key] - value).abs().max() / scale <= 5e-5, key  # float32, another sum order
     assert not torch.equal(one["model"]["logit_scale"], torch.tensor(1 / 0.07).log())  # it trained
+
+
+def floating_weights_close(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor], tolerance: float) -> None:
+    """The same keys; every floating tensor within ``tolerance`` of the other, relative to its largest entry."""
+    assert first.keys() == second.keys()
+    for key, value in first.items():
+        if value.is_floating_point():
+            scale = value.abs().max().clamp_min(1e-6)
+            assert (second[key] - value).abs().max() / scale <= tolerance, (key, value.dtype)
+
+
+def test_ring_communication_trains_to_the_weights_of_gather(tmp_path: Path) -> None:
+    # 33 samples, global batch 16 on 2 processes: steps of 16, 16, 1, the last split [1, 0] (an empty rank).
+    clip = [*TINY_CLIP, "--image-size", "32", "--train-size", "33", "--val-size", "8", "--batch-size", "8",
+            "--optimizer", "sgd", "--lr", "0.5", "--max-steps", "6", "--val-every", "100", "--no-plots"]
+    for mode in ("gather", "ring"):
+        run("clip.py", *clip, "--communication", mode, "--output-dir", f"clip_{mode}", cwd=tmp_path)
+    gather, ring = (weights(tmp_path / f"clip_{mode}/checkpoints/last.ckpt") for mode in ("gather", "ring"))
+    # The CLIP recipe computes its loss in float32: only the order of the loss's sums differs.
+    floating_weights_close(gather, ring, 1e-5)
+    assert not torch.equal(gather["logit_scale"], torch.tensor(1 / 0.07).log())  # it trained
+    # SimCLR in float64 (augmentations on, the same seed in both runs): ring equals gather to rounding.
+    simclr = [*TINY_SIMCLR, "--train-size", "33", "--val-size", "8", "--bank-size", "16", "--batch-size", "8",
+              "--optimizer", "sgd", "--lr", "0.5", "--max-steps", "6", "--val-every", "100", "--no-plots",
+              "--precision", "64-true"]
+    for mode in ("gather", "ring"):
+        run("simclr.py", *simclr, "--communication", mode, "--output-dir", f"simclr_{mode}", cwd=tmp_path)
+    gather, ring = (weights(tmp_path / f"simclr_{mode}/checkpoints/last.ckpt") for mode in ("gather", "ring"))
+    assert gather["head.3.weight"].dtype == torch.float64
+    floating_weights_close(gather, ring, 1e-10)
+
+
+def test_simclr_queue_is_in_the_checkpoint_and_resumes_exactly(tmp_path: Path) -> None:
+    # Global batch 16 on 2 processes, 33 samples: 16, 16, 1 ([1, 0]), 16, 16 keys pushed; a queue of 40
+    # (not a multiple of 16) holds 16, 32, 33, 40, 40. Float64 and no augmentation: resuming is exact.
+    common = [*TINY_SIMCLR, "--train-size", "33", "--val-size", "8", "--bank-size", "16", "--batch-size", "8",
+              "--queue-size", "40", "--optimizer", "sgd", "--lr", "0.5", "--val-every", "100", "--no-plots",
+              "--precision", "64-true", "--deterministic-data", "--checkpoint-every", "2"]
+    straight = run("simclr.py", *common, "--max-steps", "5", "--output-dir", "straight", cwd=tmp_path)
+    assert "knn_accuracy" in check_summary(straight)
+    run("simclr.py", *common, "--max-steps", "2", "--output-dir", "resumed", cwd=tmp_path)
+    early = weights(tmp_path / "resumed/checkpoints/last.ckpt")
+    assert int(early["queue.count"]) == 32 and early["queue.memory"].shape == (40, 8)
+    assert early["queue.memory"][:32].norm(dim=1).sub(1).abs().max() < 1e-12  # normalised keys
+    assert early["queue.memory"][32:].abs().max() == 0  # not filled yet
+    run("simclr.py", *common, "--max-steps", "5", "--output-dir", "resumed", "--resume",
+        str(tmp_path / "resumed/checkpoints/last.ckpt"), cwd=tmp_path)
+    one_go, resumed = (weights(tmp_path / f"{name}/checkpoints/last.ckpt") for name in ("straight", "resumed"))
+    assert int(one_go["queue.count"]) == int(resumed["queue.count"]) == 40
+    assert any(key.startswith("key_backbone.") for key in one_go)  # the momentum encoder is carried too
+    assert not torch.equal(one_go["key_head.3.weight"], one_go["head.3.weight"])  # and lags behind
+    floating_weights_close(one_go, resumed, 1e-10)
+    # Ring mode takes no extra negatives: the combination is refused before anything starts.
+    refused = run("simclr.py", "--queue-size", "8", "--communication", "ring", cwd=tmp_path, check=False)
+    assert refused.returncode == 2 and "--queue-size needs --communication gather" in refused.stderr
