@@ -305,7 +305,7 @@ def fit(trainer: L.Trainer, module: L.LightningModule, args: argparse.Namespace)
     """
     # Lightning loads a checkpoint's weights before it converts the module to the precision's dtype:
     # converted first, a float64 run (--precision 64-true) resumes without a round trip through float32.
-    module = trainer.precision_plugin.convert_module(module)
+    trainer.precision_plugin.convert_module(module)  # in place (Module.double, Module.to)
     trainer.fit(module, ckpt_path=None if args.resume is None else str(args.resume), weights_only=True)
     failed = [(process.pid, process.wait()) for process in getattr(trainer.strategy.launcher, "procs", [])]
     failed = [(pid, code) for pid, code in failed if code != 0]
