@@ -209,7 +209,7 @@ class SimCLR(L.LightningModule):
     """Backbone + BatchNorm projection head; the loss pairs the two views of each image.
 
     Default: NT-Xent over the 2·N views of the global batch. With ``--queue-size K`` > 0, MoCo v2's
-    recipe with its symmetric loss: the query encoder (backbone + head, trained) embeds both views,
+    recipe, its loss symmetrised as in MoCo v3: the query encoder (backbone + head, trained) embeds both views,
     a momentum encoder (an EMA of the query encoder, no gradient) embeds them as keys, and each
     view's queries must pick the key of the other view among the N keys of the global batch and
     the ``K`` queued keys of past batches (:func:`contrastive_dist.info_nce` with
@@ -220,8 +220,8 @@ class SimCLR(L.LightningModule):
     stay comparable with today's keys; MoCo's ablation (momentum 0) fails to train for that reason.
     The EMA copy changes slowly, costs one no-grad forward per step, and its weights, like the
     queue's buffers, live in this module, so checkpoints carry both and a resumed run continues
-    exactly. Its BatchNorm is global (synchronized) like the query encoder's, which also removes
-    the leak through per-rank batch statistics that MoCo's "shuffle BN" works around.
+    exactly. Its BatchNorm is global (synchronized) like the query encoder's unless ``--no-sync-bn``:
+    SimCLR's answer to the leak through per-device batch statistics that MoCo's "shuffle BN" avoids.
     """
 
     def __init__(self, args: argparse.Namespace, train_set: Dataset, val_set: Dataset, classes: int) -> None:
