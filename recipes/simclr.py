@@ -209,8 +209,8 @@ class SimCLR(L.LightningModule):
     """Backbone + BatchNorm projection head; the loss pairs the two views of each image.
 
     Default: NT-Xent over the 2·N views of the global batch. With ``--queue-size K`` > 0, MoCo v2's
-    recipe, its loss symmetrised as in MoCo v3: the query encoder (backbone + head, trained) embeds both views,
-    a momentum encoder (an EMA of the query encoder, no gradient) embeds them as keys, and each
+    recipe, its loss symmetrised as in MoCo v3: the query encoder (backbone + head, trained) embeds
+    both views, a momentum encoder (an EMA of the query encoder, no gradient) embeds them as keys, and each
     view's queries must pick the key of the other view among the N keys of the global batch and
     the ``K`` queued keys of past batches (:func:`contrastive_dist.info_nce` with
     ``symmetric=False`` and ``negatives=queue.negatives``); then the view-2 keys are enqueued.
@@ -261,7 +261,7 @@ class SimCLR(L.LightningModule):
         return loss
 
     def momentum_contrast(self, projections: Tensor, views: Tensor, sizes: Sequence[int]) -> Tensor:
-        """MoCo v2's symmetric loss against the queue; then the view-2 keys join the queue on every rank."""
+        """The symmetrised MoCo loss against the queue; then the view-2 keys join the queue on every rank."""
         with torch.no_grad():
             # MoCo's order: the key encoder moves towards the query encoder after its last
             # optimizer step, then embeds. Here, not in a hook after the step: the checkpoint
