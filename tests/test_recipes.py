@@ -274,6 +274,7 @@ def test_ring_communication_trains_to_the_weights_of_gather(tmp_path: Path, reci
         assert gather["head.3.weight"].dtype == torch.float64
 
 
+@pytest.mark.timeout(480)  # three runs of at most 150 s each (see run); ~190 s on the loaded 2 cores
 def test_simclr_queue_is_in_the_checkpoint_and_resumes_exactly(tmp_path: Path) -> None:
     # Global batch 16 on 2 processes, 33 samples: 16, 16, 1 ([1, 0]), 16, 16 keys pushed; a queue of 40
     # (not a multiple of 16) holds 16, 32, 33, 40, 40. Float64 and no augmentation: resuming is exact.
