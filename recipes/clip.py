@@ -295,7 +295,7 @@ class CLIP(L.LightningModule):
         self.text_tower = TextTransformer(width=args.text_width, context_length=args.context_length)
         self.text_projection = nn.Linear(args.text_width, args.embed_dim, bias=False)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
-        self.loss = DistributedInfoNCE()
+        self.loss = DistributedInfoNCE(communication=args.communication)
         self.collate = CaptionCollate(args.context_length)
         self.top_k = (1, 5) if len(val_set) >= 5 else (1,)  # type: ignore[arg-type]
         self.val_features: list[tuple[Tensor, Tensor]] = []

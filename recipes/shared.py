@@ -181,6 +181,9 @@ def training_flags(parser: argparse.ArgumentParser, *, batch_size: int, lr: floa
     train.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                        help="sgd: plain SGD at a constant lr (used by the exactness test)")
     train.add_argument("--seed", type=int, default=0, help="seeds model init, data order and generated data")
+    train.add_argument("--communication", choices=("gather", "ring"), default="gather",
+                       help="the loss's communication: ring keeps per-rank memory independent of the number of "
+                       "processes (same loss and gradients; README, 'Ring mode')")
     train.add_argument("--no-sync-bn", action="store_true", help="per-rank BatchNorm statistics, not global ones")
     train.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
     train.add_argument("--val-every", type=int, default=val_every,
@@ -300,6 +303,9 @@ def fit(trainer: L.Trainer, module: L.LightningModule, args: argparse.Namespace)
     Exits non-zero when a rank process this one launched failed: Lightning's ``ddp`` launcher
     watches its children only while rank 0 trains, so one that dies later would go unnoticed.
     """
+    # Lightning loads a checkpoint's weights before it converts the module to the precision's dtype:
+    # converted first, a float64 run (--precision 64-true) resumes without a round trip through float32.
+    trainer.precision_plugin.convert_module(module)  # in place (Module.double, Module.to)
     trainer.fit(module, ckpt_path=None if args.resume is None else str(args.resume), weights_only=True)
     failed = [(process.pid, process.wait()) for process in getattr(trainer.strategy.launcher, "procs", [])]
     failed = [(pid, code) for pid, code in failed if code != 0]

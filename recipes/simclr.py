@@ -10,9 +10,16 @@ one of 5; colour, size and position are what the augmentations teach the feature
 download. Loading is drop-last-free and resumable mid-epoch (``contrastive_dist.lightning``).
 Read this file and ``shared.py`` (shapes, backbone, flags, Trainer, report).
 
+``--queue-size K`` trains the MoCo v2 way instead: keys from a momentum (EMA) copy of the encoder,
+and a :class:`contrastive_dist.DistributedMemoryQueue` of the last ``K`` keys of the global batches
+as extra negatives (see :class:`SimCLR`). ``--communication ring`` sends the NT-Xent embeddings
+round the ring instead of gathering them (same loss and gradients, per-rank memory independent of
+the number of processes).
+
 One machine, CPU (2 processes, gloo) or all visible GPUs::
 
     python recipes/simclr.py
+    python recipes/simclr.py --queue-size 4096
     python recipes/simclr.py --data cifar10:~/data --download --accelerator gpu --batch-size 512
 
 Several machines with Lightning (run on each, NODE_RANK = 0 .. N-1)::
@@ -28,6 +35,7 @@ torchrun (Lightning reads the torchelastic environment)::
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -56,7 +64,13 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
-from contrastive_dist import NTXentLoss, all_gather_many, convert_sync_batchnorm
+from contrastive_dist import (
+    DistributedInfoNCE,
+    DistributedMemoryQueue,
+    NTXentLoss,
+    all_gather_many,
+    convert_sync_batchnorm,
+)
 from contrastive_dist.lightning import distributed_loader, step_sizes
 
 # -- data -----------------------------------------------------------------------------------------
@@ -176,12 +190,39 @@ def knn_accuracy(bank: Tensor, bank_labels: Tensor, queries: Tensor, query_label
     """Similarity-weighted k-NN vote (as in instance-discrimination papers) on normalised features."""
     similarity, neighbours = (queries @ bank.T).topk(min(k, len(bank)), dim=1)
     weights = (similarity / temperature).exp()
-    votes = torch.zeros(len(queries), classes).scatter_add_(1, bank_labels[neighbours], weights)
+    votes = weights.new_zeros(len(queries), classes).scatter_add_(1, bank_labels[neighbours], weights)
     return (votes.argmax(1) == query_labels).float().mean().item()
 
 
+def project(backbone: nn.Module, head: nn.Module, views: Tensor) -> Tensor:
+    """``(2·n, C, H, W)`` views, both views of the step in one forward → ``(2, n, D)`` projections.
+
+    One forward for both views: BatchNorm sees the 2·N images of the global batch, as in SimCLR.
+    Half precision is computed in float32 from here on; float64 (``--precision 64-true``) stays.
+    """
+    projections = head(backbone(views))
+    projections = projections.to(torch.promote_types(projections.dtype, torch.float32))
+    return rearrange(projections, "(view n) d -> view n d", view=2)
+
+
 class SimCLR(L.LightningModule):
-    """Backbone + BatchNorm projection head; the loss pairs the two views of each image."""
+    """Backbone + BatchNorm projection head; the loss pairs the two views of each image.
+
+    Default: NT-Xent over the 2·N views of the global batch. With ``--queue-size K`` > 0, MoCo v2's
+    recipe, its loss symmetrised as in MoCo v3: the query encoder (backbone + head, trained) embeds
+    both views, a momentum encoder (an EMA of the query encoder, no gradient) embeds them as keys, and each
+    view's queries must pick the key of the other view among the N keys of the global batch and
+    the ``K`` queued keys of past batches (:func:`contrastive_dist.info_nce` with
+    ``symmetric=False`` and ``negatives=queue.negatives``); then the view-2 keys are enqueued.
+
+    Why a momentum encoder rather than queueing the query encoder's own detached embeddings: the
+    queue holds keys from up to ``K / N`` steps ago, and they are useful negatives only while they
+    stay comparable with today's keys; MoCo's ablation (momentum 0) fails to train for that reason.
+    The EMA copy changes slowly, costs one no-grad forward per step, and its weights, like the
+    queue's buffers, live in this module, so checkpoints carry both and a resumed run continues
+    exactly. Its BatchNorm is global (synchronized) like the query encoder's unless ``--no-sync-bn``:
+    SimCLR's answer to the leak through per-device batch statistics that MoCo's "shuffle BN" avoids.
+    """
 
     def __init__(self, args: argparse.Namespace, train_set: Dataset, val_set: Dataset, classes: int) -> None:
         super().__init__()
@@ -191,7 +232,15 @@ class SimCLR(L.LightningModule):
                                              nn.ReLU(inplace=True), nn.Linear(args.hidden, args.out))
         if not args.no_sync_bn:  # exact global BatchNorm statistics, as SimCLR's "global BN"
             self.backbone, self.head = convert_sync_batchnorm(self.backbone), convert_sync_batchnorm(self.head)
-        self.loss = NTXentLoss(temperature=args.temperature)
+        self.loss: nn.Module = NTXentLoss(temperature=args.temperature, communication=args.communication)
+        if args.queue_size > 0:
+            self.key_backbone, self.key_head = copy.deepcopy(self.backbone), copy.deepcopy(self.head)
+            self.key_backbone.requires_grad_(False)
+            self.key_head.requires_grad_(False)
+            self.queue = DistributedMemoryQueue(args.queue_size, args.out)
+            self.loss = DistributedInfoNCE(
+                temperature=args.temperature, symmetric=False, communication=args.communication
+            )
         self.val_parts: list[tuple[Tensor, Tensor, Tensor]] = []
 
     def train_dataloader(self) -> Any:
@@ -204,12 +253,38 @@ class SimCLR(L.LightningModule):
 
     def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
         views1, views2, _ = batch  # the last step of an epoch may leave this rank 0 images
-        # Both views in one forward: BatchNorm sees the 2·N images of the global batch, as in SimCLR.
         views = rearrange([views1, views2], "view n c h w -> (view n) c h w")
-        projections = rearrange(self.head(self.backbone(views)).float(), "(view n) d -> view n d", view=2)
-        loss = self.loss(projections[0], projections[1], sizes=step_sizes(self.trainer, batch_idx))
+        projections, sizes = project(self.backbone, self.head, views), step_sizes(self.trainer, batch_idx)
+        if self.args.queue_size == 0:
+            loss = self.loss(projections[0], projections[1], sizes=sizes)
+        else:
+            loss = self.momentum_contrast(projections, views, sizes)
         self.log("train/loss", loss.detach(), sync_dist=True, prog_bar=True)
         return loss
+
+    def momentum_contrast(self, projections: Tensor, views: Tensor, sizes: Sequence[int]) -> Tensor:
+        """The symmetrised MoCo loss against the queue; then the view-2 keys join the queue on every rank."""
+        with torch.no_grad():
+            # MoCo's order: the key encoder moves towards the query encoder after its last
+            # optimizer step, then embeds. Here, not in a hook after the step: the checkpoint
+            # callbacks run before a module's own end-of-step hook, so a resumed run would miss one.
+            momentum = self.args.momentum
+            for key, query in zip(self.key_parameters(), self.query_parameters(), strict=True):
+                key.lerp_(query.detach(), 1 - momentum)
+            keys = F.normalize(project(self.key_backbone, self.key_head, views), dim=-1)
+        queries = F.normalize(projections, dim=-1)
+        negatives = self.queue.negatives  # the past batches only: taken before this step's enqueue
+        loss = (self.loss(queries[0], keys[1], sizes=sizes, negatives=negatives)
+                + self.loss(queries[1], keys[0], sizes=sizes, negatives=negatives)) / 2
+        self.queue.enqueue(keys[1])
+        self.log("train/queue_fill", float(len(self.queue)), rank_zero_only=True)
+        return loss
+
+    def query_parameters(self) -> list[nn.Parameter]:
+        return [*self.backbone.parameters(), *self.head.parameters()]
+
+    def key_parameters(self) -> list[nn.Parameter]:
+        return [*self.key_backbone.parameters(), *self.key_head.parameters()]
 
     def validation_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
         images, labels, is_query = batch
@@ -254,8 +329,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="resnet-small stem stride; 1 keeps full resolution for shapes a few pixels wide")
     data.add_argument("--hidden", type=int, default=256, help="projection head hidden width")
     data.add_argument("--out", type=int, default=64, help="projection dimension")
-    data.add_argument("--temperature", type=float, default=0.5, help="NT-Xent temperature")
+    data.add_argument("--temperature", type=float, default=0.5, help="NT-Xent (or, with a queue, InfoNCE) temperature")
+    moco = parser.add_argument_group("memory queue (MoCo v2 style)")
+    moco.add_argument("--queue-size", type=int, default=0,
+                      help="keys of past global batches used as extra negatives, with a momentum key encoder; "
+                      "0: plain SimCLR")
+    moco.add_argument("--momentum", type=float, default=0.99,
+                      help="key encoder EMA momentum with --queue-size (MoCo uses 0.999 for runs of 10^5+ steps)")
     args = parser.parse_args(argv)
+    if args.queue_size < 0 or not 0 <= args.momentum < 1:
+        parser.error(f"expected --queue-size >= 0 and --momentum in [0, 1), got {args.queue_size} and {args.momentum}")
     args.output_dir = args.output_dir or Path("runs/simclr")
     return args
 

@@ -242,3 +242,63 @@ def test_torchrun_recipe_resumes_mid_epoch_and_two_processes_train_to_the_weight
             # a loss off the gradient contract (a mean of per-rank means) is off by more than 1e-2.
             assert (two["model"][key] - value).abs().max() / scale <= 1e-3, key
     assert not torch.equal(one["model"]["logit_scale"], torch.tensor(1 / 0.07).log())  # it trained
+
+
+def floating_weights_close(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor], tolerance: float) -> None:
+    """The same keys; every floating tensor within ``tolerance`` of the other, relative to its largest entry."""
+    assert first.keys() == second.keys()
+    for key, value in first.items():
+        if value.is_floating_point():
+            scale = value.abs().max().clamp_min(1e-6)
+            assert (second[key] - value).abs().max() / scale <= tolerance, (key, value.dtype)
+
+
+# 33 samples, global batch 16 on 2 processes: steps of 16, 16, 1, the last split [1, 0] (an empty rank).
+RING_RUNS = {
+    # The CLIP recipe computes its loss in float32, so the two modes differ by the order of the loss's
+    # sums: measured 2.4e-6 relative after 6 steps at lr 0.5.
+    "clip.py": ([*TINY_CLIP, "--image-size", "32"], 1e-5),
+    # SimCLR in float64, augmentations on (the same seed in both runs): measured 1.3e-13.
+    "simclr.py": ([*TINY_SIMCLR, "--bank-size", "16", "--precision", "64-true"], 1e-10),
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(RING_RUNS))
+def test_ring_communication_trains_to_the_weights_of_gather(tmp_path: Path, recipe: str) -> None:
+    flags, tolerance = RING_RUNS[recipe]
+    common = [*flags, "--train-size", "33", "--val-size", "8", "--batch-size", "8", "--optimizer", "sgd",
+              "--lr", "0.5", "--max-steps", "6", "--val-every", "100", "--no-plots"]
+    for mode in ("gather", "ring"):
+        run(recipe, *common, "--communication", mode, "--output-dir", mode, cwd=tmp_path)
+    gather, ring = (weights(tmp_path / f"{mode}/checkpoints/last.ckpt") for mode in ("gather", "ring"))
+    floating_weights_close(gather, ring, tolerance)
+    if recipe == "clip.py":
+        assert not torch.equal(gather["logit_scale"], torch.tensor(1 / 0.07).log())  # it trained
+    else:
+        assert gather["head.3.weight"].dtype == torch.float64
+
+
+@pytest.mark.timeout(480)  # three runs of at most 150 s each (see run); ~190 s on the loaded 2 cores
+def test_simclr_queue_is_in_the_checkpoint_resumes_exactly_and_matches_ring_mode(tmp_path: Path) -> None:
+    # Global batch 16 on 2 processes, 33 samples: 16, 16, 1 ([1, 0]), 16, 16 keys pushed; a queue of 40
+    # (not a multiple of 16) holds 16, 32, 33, 40, 40. Float64 and no augmentation: resuming is exact.
+    common = [*TINY_SIMCLR, "--train-size", "33", "--val-size", "8", "--bank-size", "16", "--batch-size", "8",
+              "--queue-size", "40", "--optimizer", "sgd", "--lr", "0.5", "--val-every", "100", "--no-plots",
+              "--precision", "64-true", "--deterministic-data", "--checkpoint-every", "2"]
+    straight = run("simclr.py", *common, "--max-steps", "5", "--output-dir", "straight", cwd=tmp_path)
+    assert "knn_accuracy" in check_summary(straight)
+    run("simclr.py", *common, "--max-steps", "2", "--output-dir", "resumed", cwd=tmp_path)
+    early = weights(tmp_path / "resumed/checkpoints/last.ckpt")
+    assert int(early["queue.count"]) == 32 and early["queue.memory"].shape == (40, 8)
+    assert early["queue.memory"][:32].norm(dim=1).sub(1).abs().max() < 1e-12  # normalised keys
+    assert early["queue.memory"][32:].abs().max() == 0  # not filled yet
+    run("simclr.py", *common, "--max-steps", "5", "--output-dir", "resumed", "--resume",
+        str(tmp_path / "resumed/checkpoints/last.ckpt"), cwd=tmp_path)
+    one_go, resumed = (weights(tmp_path / f"{name}/checkpoints/last.ckpt") for name in ("straight", "resumed"))
+    assert int(one_go["queue.count"]) == int(resumed["queue.count"]) == 40
+    assert any(key.startswith("key_backbone.") for key in one_go)  # the momentum encoder is carried too
+    assert not torch.equal(one_go["key_head.3.weight"], one_go["head.3.weight"])  # and lags behind
+    floating_weights_close(one_go, resumed, 1e-10)
+    # Ring mode with the queue's shared negatives: the same run, to the same weights and queue.
+    run("simclr.py", *common, "--max-steps", "5", "--output-dir", "ring", "--communication", "ring", cwd=tmp_path)
+    floating_weights_close(one_go, weights(tmp_path / "ring/checkpoints/last.ckpt"), 1e-10)
