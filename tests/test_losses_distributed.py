@@ -159,22 +159,25 @@ def _training_data() -> tuple[_TwoTower, list[tuple[Tensor, Tensor]]]:
     return model, batches
 
 
-def _train_ddp(rank: int, world_size: int) -> dict[str, Tensor]:
+def _train_ddp(rank: int, world_size: int, communication: str) -> dict[str, Tensor]:
     model, batches = _training_data()
     ddp = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.5)
-    criterion = DistributedInfoNCE(chunk_size=2)
-    for shards, (x_image, x_text) in zip(STEP_SHARDS, batches, strict=True):
+    criterion = DistributedInfoNCE(chunk_size=2, communication=communication)  # type: ignore[arg-type]
+    for step, (shards, (x_image, x_text)) in enumerate(zip(STEP_SHARDS, batches, strict=True)):
         start, stop = sum(shards[:rank]), sum(shards[: rank + 1])
         images, texts, scale = ddp(x_image[start:stop], x_text[start:stop])
         optimizer.zero_grad()
-        criterion(images, texts, scale, sizes=shards).backward()
+        criterion(images, texts, scale, sizes=shards if step % 2 else None).backward()
         optimizer.step()
     return {name: param.detach().clone() for name, param in model.named_parameters()}
 
 
-def test_ddp_training_with_uneven_and_empty_shards_matches_single_process(pool: Callable[[int], WorkerPool]) -> None:
-    per_rank = pool(3).run(_train_ddp, timeout=120)
+@pytest.mark.parametrize("communication", ["gather", "ring"])
+def test_ddp_training_with_uneven_and_empty_shards_matches_single_process(
+    pool: Callable[[int], WorkerPool], communication: str
+) -> None:
+    per_rank = pool(3).run(_train_ddp, communication, timeout=120)
     model, batches = _training_data()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     for x_image, x_text in batches:

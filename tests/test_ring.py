@@ -15,18 +15,16 @@ from functools import cache
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from test_losses_reference import (
     KINDS,
     assert_close,
-    clip_reference,
     encode,
     make_problem,
     package_loss,
     reference_loss,
     value_and_grads,
 )
-from torch import Tensor, nn
+from torch import Tensor
 
 from contrastive_dist import (
     DistributedInfoNCE,
@@ -233,56 +231,6 @@ def test_bad_input_on_one_rank_raises_on_every_rank(pool: Callable[[int], Worker
                 assert "(on rank 1;" in message, f"rank {rank} {name}: {message}"
             assert outcome[name] == per_rank[1][name], f"rank {rank} {name}: not the same error as rank 1"
     assert "('gather', 'ring')" in per_rank[0]["info_nce communication"][1]  # type: ignore[index]
-
-
-class _TwoTower(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.image = nn.Linear(6, 5)
-        self.text = nn.Linear(4, 5)
-        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.1)))
-
-    def forward(self, x_image: Tensor, x_text: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return F.normalize(self.image(x_image), dim=-1), F.normalize(self.text(x_text), dim=-1), self.logit_scale.exp()
-
-
-STEP_SHARDS = ((3, 2, 1), (0, 4, 2), (2, 2, 2), (5, 1, 0), (1, 0, 5))
-
-
-def _training_data() -> tuple[_TwoTower, list[tuple[Tensor, Tensor]]]:
-    torch.manual_seed(11)
-    model = _TwoTower().double()
-    batches = [(torch.randn(6, 6, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)) for _ in STEP_SHARDS]
-    return model, batches
-
-
-def _train_ddp(rank: int, world_size: int) -> dict[str, Tensor]:
-    model, batches = _training_data()
-    ddp = nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.5)
-    criterion = DistributedInfoNCE(chunk_size=2, communication="ring")
-    for step, (shards, (x_image, x_text)) in enumerate(zip(STEP_SHARDS, batches, strict=True)):
-        start, stop = sum(shards[:rank]), sum(shards[: rank + 1])
-        images, texts, scale = ddp(x_image[start:stop], x_text[start:stop])
-        optimizer.zero_grad()
-        criterion(images, texts, scale, sizes=shards if step % 2 else None).backward()
-        optimizer.step()
-    return {name: param.detach().clone() for name, param in model.named_parameters()}
-
-
-def test_ddp_training_in_ring_mode_matches_single_process(pool: Callable[[int], WorkerPool]) -> None:
-    per_rank = pool(3).run(_train_ddp, timeout=60)
-    model, batches = _training_data()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    for x_image, x_text in batches:
-        optimizer.zero_grad()
-        clip_reference(*model(x_image, x_text)).backward()
-        optimizer.step()
-    initial = _training_data()[0].state_dict()
-    for name, param in model.named_parameters():
-        assert not torch.allclose(param, initial[name]), name  # training moved it
-        for rank, params in enumerate(per_rank):
-            torch.testing.assert_close(params[name], param.detach(), rtol=1e-10, atol=1e-10, msg=f"rank {rank} {name}")
 
 
 def test_modules_hold_communication_and_reject_unknown_modes() -> None:
