@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from outcomes import error_outcomes
 from routes import ROUTES, on_route
 from test_losses_reference import (
     KINDS,
@@ -112,13 +113,7 @@ def _bad_input_on_rank_one(rank: int, world_size: int) -> dict[str, tuple[str, s
         "supcon ndim": lambda: supcon(good[0] if bad else good, labels),
         "retrieval rows": lambda: retrieval_accuracy(good, good[:3] if bad else good),
     }
-    outcome: dict[str, tuple[str, str] | float] = {}
-    for name, call in calls.items():
-        try:
-            call()
-            outcome[name] = ("no error", "")
-        except (ValueError, TypeError) as error:
-            outcome[name] = (type(error).__name__, str(error).split("\n")[0])
+    outcome: dict[str, tuple[str, str] | float] = {**error_outcomes(calls)}
     outcome["after"] = float(info_nce(good, good))  # the group still works
     return outcome
 

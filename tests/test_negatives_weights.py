@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from outcomes import error_outcomes
 from test_losses_reference import encode, make_problem, value_and_grads
 from torch import Tensor
 
@@ -290,13 +291,7 @@ def _bad_inputs_on_rank_one(rank: int, world_size: int) -> dict[str, tuple[str, 
         "weight with none": lambda: info_nce(images, texts, weight=ones, reduction="none" if bad else "mean"),
         "reduction": lambda: nt_xent(images, texts, reduction="sum" if bad else "mean"),  # type: ignore[arg-type]
     }
-    outcome: dict[str, tuple[str, str] | float] = {}
-    for name, call in calls.items():
-        try:
-            call()
-            outcome[name] = ("no error", "")
-        except (ValueError, TypeError) as error:
-            outcome[name] = (type(error).__name__, str(error).split("\n")[0])
+    outcome: dict[str, tuple[str, str] | float] = {**error_outcomes(calls)}
     # On one rank only, weights or negatives would change which collectives run: the features'
     # gather disagrees instead, so every rank raises (no hang).
     on_one_rank: dict[str, Callable[[], object]] = {
@@ -306,12 +301,7 @@ def _bad_inputs_on_rank_one(rank: int, world_size: int) -> dict[str, tuple[str, 
             images, texts, negatives=SharedNegatives(torch.randn(2, 5)) if bad else torch.randn(2, 5)
         ),
     }
-    for name, call in on_one_rank.items():
-        try:
-            call()
-            outcome[name] = ("no error", "")
-        except ValueError as error:
-            outcome[name] = ("ValueError", str(error).split("\n")[0])
+    outcome.update(error_outcomes(on_one_rank))
     outcome["after"] = float(info_nce(images, texts, negatives=torch.randn(rank, 5), weight=ones))
     return outcome
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from outcomes import error_outcomes
 
 from contrastive_dist import DistributedMemoryQueue
 from contrastive_dist.testing import WorkerPool
@@ -105,7 +106,6 @@ def test_invalid_construction_and_keys_raise() -> None:
 
 
 def _mismatch_on_rank_one(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
-    outcome = {}
     checks = {
         # Rank 1's queue was built with another dim (and its keys fit it): the gather disagrees.
         "queue dim": lambda: DistributedMemoryQueue(SIZE, 6 if rank == 1 else DIM).enqueue(
@@ -114,12 +114,7 @@ def _mismatch_on_rank_one(rank: int, world_size: int) -> dict[str, tuple[str, st
         # Rank 1 passes keys that do not fit its queue.
         "keys shape": lambda: DistributedMemoryQueue(SIZE, DIM).enqueue(torch.randn(2, DIM + 1 if rank == 1 else DIM)),
     }
-    for name, check in checks.items():
-        try:
-            check()
-            outcome[name] = ("no error", "")
-        except ValueError as error:
-            outcome[name] = ("ValueError", str(error).split("\n")[0])
+    outcome = error_outcomes(checks)
     queue = DistributedMemoryQueue(SIZE, DIM)
     queue.enqueue(torch.randn(rank, DIM))  # the group still works
     outcome["after"] = ("count", str(len(queue)))

@@ -15,6 +15,7 @@ from functools import cache
 import pytest
 import torch
 import torch.distributed as dist
+from outcomes import error_outcomes
 from test_losses_reference import (
     KINDS,
     assert_close,
@@ -201,13 +202,7 @@ def _bad_input_on_rank_one(rank: int, world_size: int) -> dict[str, tuple[str, s
             good[:3] if bad else good, good[:3] if bad else good, 2.0, -1.0, sizes=(4, 4, 4), **ring
         ),  # type: ignore[arg-type]
     }
-    outcome: dict[str, tuple[str, str] | float] = {}
-    for name, call in calls.items():
-        try:
-            call()
-            outcome[name] = ("no error", "")
-        except (ValueError, TypeError) as error:
-            outcome[name] = (type(error).__name__, str(error).split("\n")[0])
+    outcome: dict[str, tuple[str, str] | float] = {**error_outcomes(calls)}
     outcome["after"] = float(info_nce(good, good, communication="ring"))  # the group still works
     return outcome
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from outcomes import error_outcomes
 from test_losses_reference import encode, value_and_grads
 from test_negatives_weights import (
     KINDS,
@@ -203,13 +204,7 @@ def _bad_inputs_on_rank_one(rank: int, world_size: int) -> dict[str, tuple[str, 
         ),
         "negatives gradient on one rank": lambda: info_nce(images, texts, negatives=negatives_grad, **ring),
     }
-    outcome: dict[str, tuple[str, str] | float] = {}
-    for name, call in {**calls, **on_one_rank}.items():
-        try:
-            call()
-            outcome[name] = ("no error", "")
-        except (ValueError, TypeError) as error:
-            outcome[name] = (type(error).__name__, str(error).split("\n")[0])
+    outcome: dict[str, tuple[str, str] | float] = {**error_outcomes({**calls, **on_one_rank})}
     # "none" on one rank beside "mean" elsewhere is each rank's own choice: no error, no hang.
     rows = supcon(images, labels, reduction="none" if bad else "mean", communication="ring")
     outcome["mixed reduction"] = float(rows.sum())
