@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from contrastive_dist.losses import _ring
+from contrastive_dist.engine import _ring
 from contrastive_dist.testing import run_distributed
 
 METHODS = (

@@ -48,10 +48,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, default_collate
 
-from contrastive_dist.collate import EmptySafeCollate
-from contrastive_dist.sampler import DistributedBatchSampler
-from contrastive_dist.shards import DistributedShardList
-from contrastive_dist.streaming import DistributedStreamingBatches
+from contrastive_dist.data.collate import EmptySafeCollate
+from contrastive_dist.data.sampler import DistributedBatchSampler
+from contrastive_dist.data.shards import DistributedShardList
+from contrastive_dist.data.streaming import DistributedStreamingBatches
 
 if TYPE_CHECKING:
     from torchdata.stateful_dataloader import StatefulDataLoader

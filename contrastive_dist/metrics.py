@@ -10,8 +10,8 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import is_distributed
-from contrastive_dist.gather import all_gather_many
-from contrastive_dist.losses._checks import check_pair, validated_on_all_ranks
+from contrastive_dist._validation import check_pair, validated_on_all_ranks
+from contrastive_dist.engine.gather import all_gather_many
 
 __all__ = ["retrieval_accuracy"]
 

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from contrastive_dist.gather import all_gather, raise_on_all_ranks
+from contrastive_dist.engine.gather import all_gather, raise_on_all_ranks
 from contrastive_dist.losses import SharedNegatives
 
 __all__ = ["DistributedMemoryQueue"]

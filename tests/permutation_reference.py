@@ -1,6 +1,6 @@
 """A plain-Python, one-position-at-a-time reference of the sampler's order (no tensors, no vectorisation).
 
-Written from the description in ``contrastive_dist/_permutation.py``: BLAKE2b round keys, an
+Written from the description in ``contrastive_dist/data/_permutation.py``: BLAKE2b round keys, an
 alternating Feistel network on the smallest power of two >= length (at least 4 values), cycle
 walking into range, a keyed swap of the values 0 and 1.
 """

@@ -1,4 +1,4 @@
-"""Run a worker function under one transport route of ``contrastive_dist._wire``, or another setting.
+"""Run a worker function under one transport route of ``contrastive_dist.engine._wire``, or another setting.
 
 ``auto`` is what CPU tensors get (broadcasts forward, all-to-all backward); ``collective``
 forces the accelerator routes (``all_gather_single`` / ``reduce_scatter_single`` on equal
@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from contrastive_dist._wire import ROUTE_VARIABLE
+from contrastive_dist.engine._wire import ROUTE_VARIABLE
 
 ROUTES = ("auto", "collective")
 

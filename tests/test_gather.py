@@ -197,7 +197,7 @@ def raise_bad_input(rank: int, world_size: int, kind: str) -> None:
 
 def count_transport_calls(rank: int, world_size: int) -> dict[str, int]:
     """Which raw collectives the transport runs for even, uneven and empty shards, with and without sizes=."""
-    from contrastive_dist import _wire
+    from contrastive_dist.engine import _wire
 
     calls: Counter[str] = Counter()
     names = {"broadcast": _wire.dist, "all_to_all_single": _wire.dist}

@@ -8,7 +8,7 @@ import pytest
 import torch
 from permutation_reference import reference_order
 
-from contrastive_dist._permutation import Permutation, _walk_into_range
+from contrastive_dist.data._permutation import Permutation, _walk_into_range
 
 Z_LIMIT = 5.0  # a true random permutation exceeds 5 standard deviations with probability ~6e-7
 

@@ -47,7 +47,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from contrastive_dist.losses._checks import compute_dtype
+from contrastive_dist._validation import compute_dtype
 from contrastive_dist.losses._softmax_block import Grads, Targets, block_rows
 
 __all__ = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from contrastive_dist.losses._checks import check_chunk_size, check_temperature
+from contrastive_dist._validation import check_chunk_size, check_temperature
 from contrastive_dist.losses._reduction import Reduction, check_reduction
 from contrastive_dist.losses._ring_losses import Communication, check_communication
 

@@ -7,8 +7,8 @@ from typing import NamedTuple
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist.gather import all_gather
-from contrastive_dist.losses._checks import check_features
+from contrastive_dist._validation import check_features
+from contrastive_dist.engine.gather import all_gather
 
 __all__ = ["SharedNegatives", "check_negatives", "negative_columns", "negatives_marker"]
 

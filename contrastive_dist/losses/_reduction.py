@@ -16,7 +16,7 @@ from typing import Literal, cast
 import torch
 from torch import Tensor
 
-from contrastive_dist.losses._checks import compute_dtype
+from contrastive_dist._validation import compute_dtype
 from contrastive_dist.losses._chunked import contract_factor
 
 __all__ = ["Reduction", "check_reduction", "check_weight", "mean_factor", "total_factor"]

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from contrastive_dist._agreement import agree_on_sizes
+from contrastive_dist.engine._agreement import agree_on_sizes
+from contrastive_dist.engine._ring import Ring
 from contrastive_dist.losses._chunked import contract_factor
 from contrastive_dist.losses._reduction import total_factor
-from contrastive_dist.losses._ring import Ring
 from contrastive_dist.losses._ring_softmax import ring_logsumexp
 
 __all__ = ["ring_mean", "shared_logsumexp", "with_negatives"]

@@ -26,12 +26,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist._agreement import Problem, agree_on_sizes
 from contrastive_dist._dist import get_rank, get_world_size
+from contrastive_dist.engine._agreement import Problem, agree_on_sizes
+from contrastive_dist.engine._ring import Ring
 from contrastive_dist.losses._chunked import full_precision, upcast
 from contrastive_dist.losses._negatives import SharedNegatives, negatives_marker
 from contrastive_dist.losses._reduction import Reduction
-from contrastive_dist.losses._ring import Ring
 from contrastive_dist.losses._ring_extras import ring_mean, shared_logsumexp, with_negatives
 from contrastive_dist.losses._ring_sigmoid import ring_sigmoid_rows
 from contrastive_dist.losses._ring_softmax import ring_logsumexp

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from contrastive_dist.engine._ring import Block, Ring, circulate
 from contrastive_dist.losses._chunked import first_order_only
-from contrastive_dist.losses._ring import Block, Ring, circulate
 
 __all__ = ["ring_sigmoid_rows"]
 
@@ -48,7 +48,7 @@ def ring_sigmoid_rows(
     Example:
         >>> import torch
         >>> import torch.nn.functional as F
-        >>> from contrastive_dist.losses._ring import Ring
+        >>> from contrastive_dist.engine._ring import Ring
         >>> images, texts = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
         >>> scale, bias = torch.tensor(3.0).double(), torch.tensor(-1.0).double()
         >>> rows = ring_sigmoid_rows(images, texts, scale, bias, Ring(0, 1, (4,)), chunk_size=3)

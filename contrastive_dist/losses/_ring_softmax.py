@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from contrastive_dist.engine._ring import Block, Ring, circulate
 from contrastive_dist.losses._chunked import first_order_only
-from contrastive_dist.losses._ring import Block, Ring, circulate
 
 __all__ = ["ring_logsumexp"]
 
@@ -72,7 +72,7 @@ def ring_logsumexp(
 
     Example:
         >>> import torch
-        >>> from contrastive_dist.losses._ring import Ring
+        >>> from contrastive_dist.engine._ring import Ring
         >>> queries, keys = torch.randn(5, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
         >>> row_lse, col_lse, _, _ = ring_logsumexp(queries, keys, torch.tensor(2.0).double(), Ring(0, 1, (5,)),
         ...                                         columns=True, chunk_size=2)

@@ -10,14 +10,14 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import get_world_size
-from contrastive_dist.gather import all_gather_many
-from contrastive_dist.losses._checks import (
+from contrastive_dist._validation import (
     check_chunk_size,
     check_pair,
     check_temperature,
     resolve_scale,
     validated_on_all_ranks,
 )
+from contrastive_dist.engine.gather import all_gather_many
 from contrastive_dist.losses._chunked import Targets, cross_entropy, full_precision, upcast
 from contrastive_dist.losses._module import TemperatureLoss
 from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight, mean_factor

@@ -13,14 +13,14 @@ from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from contrastive_dist._dist import get_world_size
-from contrastive_dist.gather import all_gather_many
-from contrastive_dist.losses._checks import (
+from contrastive_dist._validation import (
     check_chunk_size,
     check_pair,
     positive_scalar,
     scalar_tensor,
     validated_on_all_ranks,
 )
+from contrastive_dist.engine.gather import all_gather_many
 from contrastive_dist.losses._chunked import first_order_only, full_precision, upcast
 from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight, mean_factor
 from contrastive_dist.losses._ring_losses import (

@@ -23,7 +23,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from contrastive_dist._dist import get_world_size, is_distributed
-from contrastive_dist._norm_function import GlobalStats, global_batch_stats, normalize_with_global_stats
+from contrastive_dist.nn._norm_function import GlobalStats, global_batch_stats, normalize_with_global_stats
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 

@@ -29,7 +29,7 @@ of this package are): returning ``None`` makes Lightning skip the backward on th
 the other ranks wait for it forever.
 
 Order: each epoch's order is a seeded bijection of ``[0, length)`` evaluated only at the positions a
-batch needs (:mod:`contrastive_dist._permutation`: a Feistel network with cycle walking), so the first
+batch needs (:mod:`contrastive_dist.data._permutation`: a Feistel network with cycle walking), so the first
 batch of a 2·10⁹-sample dataset comes in milliseconds and no permutation is ever held in memory.
 Earlier versions drew ``torch.randperm(length)`` seeded with ``seed + epoch``: the same seed now
 gives a different order (every guarantee above is unchanged).
@@ -54,7 +54,7 @@ from torch.distributed import ProcessGroup
 from torch.utils.data import Sampler
 
 from contrastive_dist._dist import get_rank, get_world_size, start_offset
-from contrastive_dist._permutation import Permutation
+from contrastive_dist.data._permutation import Permutation
 
 __all__ = ["DistributedBatchSampler"]
 

@@ -36,7 +36,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import get_rank, get_world_size
-from contrastive_dist.gather import all_gather
+from contrastive_dist.engine.gather import all_gather
 
 __all__ = ["copy_to_group", "gather_from_group", "reduce_from_group", "scatter_to_group"]
 

@@ -24,10 +24,10 @@ from einops import rearrange, unpack
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist._agreement import Problem, agree_on_sizes, debug_checks, local_problem, raise_disagreement
-from contrastive_dist._compiled import gather_compiled
 from contrastive_dist._dist import get_rank, get_world_size, start_offset
-from contrastive_dist._wire import (
+from contrastive_dist.engine._agreement import Problem, agree_on_sizes, debug_checks, local_problem, raise_disagreement
+from contrastive_dist.engine._compiled import gather_compiled
+from contrastive_dist.engine._wire import (
     STATUS_BAD_ROWS,
     STATUS_OK,
     STATUS_OK_WITH_GRAD,

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist.gather import raise_on_all_ranks
+from contrastive_dist.engine.gather import raise_on_all_ranks
 
 __all__ = [
     "check_chunk_size",

@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import get_world_size, is_distributed
-from contrastive_dist._wire import all_gather_single
+from contrastive_dist.engine._wire import all_gather_single
 
 __all__ = ["DistributedStreamingBatches"]
 

@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
-from contrastive_dist._wire import all_gather_single
+from contrastive_dist.engine._wire import all_gather_single
 
 __all__ = ["GlobalStats", "global_batch_stats", "normalize_with_global_stats"]
 

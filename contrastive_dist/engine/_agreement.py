@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist._wire import all_gather_single
+from contrastive_dist.engine._wire import all_gather_single
 
 __all__ = [
     "DEBUG_VARIABLE",

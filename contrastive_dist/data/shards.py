@@ -27,7 +27,7 @@ from torch.distributed import ProcessGroup
 from torch.utils.data import IterableDataset, get_worker_info
 
 from contrastive_dist._dist import get_rank, get_world_size
-from contrastive_dist._permutation import Permutation
+from contrastive_dist.data._permutation import Permutation
 
 __all__ = ["DistributedShardList"]
 
