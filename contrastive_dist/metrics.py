@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -10,8 +11,9 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import is_distributed
-from contrastive_dist._validation import check_pair, validated_on_all_ranks
-from contrastive_dist.engine.gather import all_gather_many
+from contrastive_dist._validation import check_pair, collect
+from contrastive_dist.engine._agreement import agree
+from contrastive_dist.engine.gather import gather_agreed
 
 __all__ = ["retrieval_accuracy"]
 
@@ -58,10 +60,16 @@ def retrieval_accuracy(
         (1.0, 1.0)
 
     """
-    with validated_on_all_ranks((image_features, text_features), group=group, sizes=sizes):
-        image_features, text_features = check_pair("image_features", image_features, "text_features", text_features)
-        ks = _check_top_k(top_k)
-    gathered = all_gather_many((image_features.detach(), text_features.detach()), group=group, sizes=sizes)
+
+    def arguments() -> tuple[Tensor, Tensor, tuple[int, ...]]:
+        images, texts = check_pair("image_features", image_features, "text_features", text_features)
+        return images.detach(), texts.detach(), _check_top_k(top_k)
+
+    checked, problem = collect(arguments)
+    layout = agree((image_features, text_features), problem=problem, group=group, operation="retrieval_accuracy",
+                   options={"top_k": top_k if checked is None else checked[2]}, sizes=sizes)
+    image_features, text_features, ks = cast(tuple[Tensor, Tensor, tuple[int, ...]], checked)
+    gathered = gather_agreed((image_features, text_features), layout)
     all_images, all_texts = gathered.tensors
     hits = torch.cat(
         (

@@ -1,64 +1,90 @@
-"""Make sure every rank agrees on what is gathered *before* any data moves.
+"""The one exchange that makes every rank agree before any data moves, or raise the same error everywhere.
 
-A mismatch that reaches the transport hangs NCCL and aborts gloo (SIGABRT). So each rank
-first describes its input in four integers — a status, its row count, a hash of
-(dtype, trailing shape, dim) and a hash of the ``sizes=`` it was given (0: none) — and one
-small equal-size all-gather shares them. Every rank then sees the same table and either
-proceeds with the sizes or raises the same error. Only on that error path a second exchange
-fetches readable descriptions for the message.
+A mismatch that reaches a transport hangs NCCL and aborts gloo (SIGABRT). So a caller first
+checks its own inputs and collects a problem (or none), then calls :func:`agree` once. It shares
+one row of seven int64 per rank in a single small all-gather:
 
-Callers who pass ``sizes=`` skip this exchange. With the environment variable
-``CONTRASTIVE_DIST_DEBUG=1`` (in the spirit of ``TORCH_DISTRIBUTED_DEBUG``) they take part in
-it too, so ``sizes=`` that differ between ranks, are given on some ranks only, or do not match
-the rows raise the same clear error on every rank, for one small collective per gather.
-Set it on every rank.
+    status, rows, extra rows, signature, options digest, given-sizes digest, total
+
+— whether this rank found its input invalid; its row count (and a second count, e.g. its own
+negatives); a digest of the dtype, trailing shape and gradient tracking of every tensor it
+passes; a digest of the call's options (temperature, chunk size, communication, which optional
+tensors are passed, ...); a digest of the ``sizes=`` it was given; and one float summed over the
+ranks (a weight total), carried as its float64 bits. Every rank then holds the same table and
+either returns the same :class:`Layout` or raises the same ``ValueError``/``TypeError``, which
+names the rank at fault and lists every rank's inputs and options (fetched by a second exchange,
+on that error path only). The caller's transport consumes the layout without exchanging again.
+
+Without a process group (or with one rank) nothing is exchanged and a problem is raised as it is.
+Under ``torch.compile`` nothing is exchanged either (the exchange is data-dependent): ``sizes=``
+must be given and is trusted, and a total is all-reduced with a traceable collective.
+
+``CONTRASTIVE_DIST_DEBUG=1`` (in the spirit of ``TORCH_DISTRIBUTED_DEBUG``) makes
+:func:`~contrastive_dist.all_gather` verify caller-given ``sizes=`` with this exchange too, on
+the one path that skips it (see its ``sizes`` argument). Set it on every rank.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
-from typing import cast
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from contrastive_dist._dist import get_rank, get_world_size, start_offset
+from contrastive_dist._validation import Problem
 from contrastive_dist.engine._wire import all_gather_single
 
-__all__ = [
-    "DEBUG_VARIABLE",
-    "Problem",
-    "agree_on_sizes",
-    "debug_checks",
-    "describe",
-    "local_problem",
-    "raise_disagreement",
-    "signature",
-]
+__all__ = ["DEBUG_VARIABLE", "Layout", "Problem", "agree", "debug_checks", "describe", "local_problem", "signature"]
 
 _OK, _PROBLEM = 0, 1
 _NO_SIZES = 0
+_FIELDS = 7
 
 DEBUG_VARIABLE = "CONTRASTIVE_DIST_DEBUG"
 """Environment variable: ``1`` verifies caller-given ``sizes=`` with one extra exchange; ``0`` / unset: off."""
 
+class Layout(NamedTuple):
+    """What every rank agreed on: where this rank stands and how many rows every rank holds.
+
+    Attributes:
+        rank: this process's rank in ``group``.
+        world_size: the number of ranks ``W``.
+        sizes: every rank's row count, in rank order.
+        extra_sizes: every rank's second count (e.g. own negatives); zeros when not used.
+        total: the sum over ranks of each rank's ``total`` (a 0-d tensor), or ``None``.
+        group: the process group (``None``: the world).
+    """
+
+    rank: int
+    world_size: int
+    sizes: tuple[int, ...]
+    extra_sizes: tuple[int, ...]
+    total: Tensor | None
+    group: ProcessGroup | None
+
+    @property
+    def offset(self) -> int:
+        """Index of this rank's first row among every rank's rows."""
+        return start_offset(self.sizes, self.rank)
+
 
 def debug_checks() -> bool:
-    """Whether ``CONTRASTIVE_DIST_DEBUG=1``: caller-given sizes are verified across ranks."""
+    """Whether ``CONTRASTIVE_DIST_DEBUG=1``: caller-given sizes of :func:`~contrastive_dist.all_gather` are verified."""
     value = os.environ.get(DEBUG_VARIABLE, "") or "0"
     if value not in ("0", "1"):
         raise ValueError(f"{DEBUG_VARIABLE} must be 0 or 1 (or unset), got {value!r}")
     return value == "1"
 
-Problem = tuple[type[Exception], str]
-"""An exception class and its message, found on one rank and raised on all of them."""
-
 
 def local_problem(tensors: Sequence[object], dim: int) -> Problem | None:
-    """What is wrong with this rank's inputs, judged without talking to other ranks."""
+    """What is wrong with this rank's tensors to gather, judged without talking to other ranks."""
     if len(tensors) == 0:
         return ValueError, "expected at least one tensor, got none"
     for index, tensor in enumerate(tensors):
@@ -69,15 +95,18 @@ def local_problem(tensors: Sequence[object], dim: int) -> Problem | None:
             return ValueError, f"{name} must have at least one dimension, got a 0-d tensor"
         if not -tensor.ndim <= dim < tensor.ndim:
             return ValueError, f"dim={dim} is out of range for {name} of shape {tuple(tensor.shape)}"
-    checked = cast(Sequence[Tensor], tensors)
-    first = checked[0]
-    for index, tensor in enumerate(checked):
+    first = cast(Tensor, tensors[0])
+    for index, tensor in enumerate(cast(Sequence[Tensor], tensors)):
         if tensor.shape[dim] != first.shape[dim]:
             return ValueError, (
                 f"all tensors must have the same size along dim={dim}: tensors[0] has "
                 f"{first.shape[dim]}, tensors[{index}] has {tensor.shape[dim]}"
             )
     return None
+
+
+def _tracks_grad(tensor: Tensor) -> bool:
+    return torch.is_grad_enabled() and tensor.requires_grad
 
 
 def describe(tensors: Sequence[object]) -> str:
@@ -92,32 +121,30 @@ def describe(tensors: Sequence[object]) -> str:
     return ", ".join(parts)
 
 
-def _tracks_grad(tensor: Tensor) -> bool:
-    return torch.is_grad_enabled() and tensor.requires_grad
+def _digest(value: object) -> int:
+    """A 62-bit digest of ``repr(value)``, never 0."""
+    return (int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 2) + 1
 
 
 def signature(tensors: Sequence[Tensor], dim: int) -> int:
-    """63-bit digest of everything except the gathered size that must match across ranks.
+    """Digest of everything except the size along ``dim`` that must match across ranks.
 
-    Whether autograd tracks each tensor is part of it: a rank whose gathered tensor has no
-    graph never enters the backward reduce-scatter that the other ranks wait in, so a mismatch
-    must fail here, loudly, rather than hang in backward.
+    Whether autograd tracks each tensor is part of it: a rank whose gathered tensor has no graph
+    never enters the backward collective the other ranks wait in, so a mismatch must fail here.
     """
     parts = []
     for tensor in tensors:
         dim_index = dim % tensor.ndim
         trailing = tuple(size for axis, size in enumerate(tensor.shape) if axis != dim_index)
         parts.append((str(tensor.dtype), tensor.ndim, dim_index, trailing, _tracks_grad(tensor)))
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    return _digest(parts)
 
 
-def metadata_device(tensors: Sequence[object], group: ProcessGroup | None) -> torch.device:
-    """Where the small control tensor must live: beside the data, which the backend serves.
+def _device(tensors: Sequence[object], group: ProcessGroup | None) -> torch.device:
+    """Where the small table lives: beside the data, on the device the backend serves.
 
     The input's own device, not ``torch.cuda.current_device()``: a process that never called
-    ``torch.cuda.set_device`` would otherwise put every rank's metadata on ``cuda:0``. A rank
-    without a tensor (invalid input) falls back to what the backend needs.
+    ``torch.cuda.set_device`` would otherwise put every rank's table on ``cuda:0``.
     """
     first = tensors[0] if len(tensors) else None
     if isinstance(first, Tensor):
@@ -127,82 +154,151 @@ def metadata_device(tensors: Sequence[object], group: ProcessGroup | None) -> to
     return torch.device("cpu")
 
 
-def _sizes_digest(given: Sequence[int] | None) -> int:
-    if given is None:
-        return _NO_SIZES
-    digest = hashlib.blake2b(repr(tuple(given)).encode(), digest_size=8).digest()
-    return (int.from_bytes(digest, "little") >> 2) + 1  # never _NO_SIZES
+def _float_bits(value: float) -> int:
+    return cast(int, struct.unpack("<q", struct.pack("<d", value))[0])
 
 
-def agree_on_sizes(
+def _bits_float(bits: int) -> float:
+    return cast(float, struct.unpack("<d", struct.pack("<q", bits))[0])
+
+
+def agree(
     tensors: Sequence[object],
-    dim: int,
-    problem: Problem | None,
-    group: ProcessGroup | None,
-    world_size: int,
-    given: Sequence[int] | None = None,
-) -> tuple[int, ...]:
-    """Exchange row counts and input signatures; return the per-rank sizes or raise on all ranks.
-
-    ``given``: the caller's ``sizes=`` (debug mode), checked to be the same on every rank and
-    equal to the row counts.
-    """
-    if problem is None:
-        checked = cast(Sequence[Tensor], tensors)
-        row = [_OK, checked[0].shape[dim], signature(checked, dim), _sizes_digest(given)]
-    else:
-        row = [_PROBLEM, 0, 0, _sizes_digest(given)]
-    local = torch.tensor([row], dtype=torch.int64, device=metadata_device(tensors, group))
-    table = local.new_empty((world_size, 4))
-    all_gather_single(table, local, group=group)
-    rows = table.tolist()
-    statuses = [status for status, _, _, _ in rows]
-    signatures = {digest for status, _, digest, _ in rows if status == _OK}
-    sizes = tuple(int(size) for _, size, _, _ in rows)
-    # Every rank decides alike: the digests are the same table everywhere, and equal digests
-    # mean equal given sizes, so the comparison with the row counts agrees too.
-    given_everywhere = {digest for _, _, _, digest in rows}
-    sizes_wrong = len(given_everywhere) > 1 or (given is not None and tuple(given) != sizes)
-    if any(statuses) or len(signatures) > 1 or sizes_wrong:
-        raise_disagreement(tensors, dim, problem, group, world_size, given=given, sizes_wrong=sizes_wrong)
-    return sizes
-
-
-def raise_disagreement(
-    tensors: Sequence[object],
-    dim: int,
-    problem: Problem | None,
-    group: ProcessGroup | None,
-    world_size: int,
     *,
-    given: Sequence[int] | None = None,
-    sizes_wrong: bool = False,
+    problem: Problem | None,
+    group: ProcessGroup | None,
+    operation: str = "all_gather",
+    dim: int = 0,
+    options: Mapping[str, object] | None = None,
+    sizes: Sequence[int] | None = None,
+    extra: int = 0,
+    total: Tensor | None = None,
+) -> Layout:
+    """Exchange once; return the :class:`Layout` every rank agrees on, or raise the same error on every rank.
+
+    Args:
+        tensors: what this rank passes (rows along ``dim`` counted from the first); described in errors.
+        problem: what this rank found wrong with its own input, or ``None``.
+        group: the process group.
+        operation: the public name of the call, for messages (``"info_nce"``, ``"all_gather"``).
+        dim: the dimension rows are counted along.
+        options: the call's options that must be the same on every rank (numbers, strings, flags).
+        sizes: the caller's ``sizes=``, checked to be the same on every rank and equal to the rows.
+        extra: this rank's second count (e.g. its own negatives).
+        total: a 0-d tensor to sum over the ranks (e.g. a weight total), or ``None``.
+    """
+    world_size, rank = get_world_size(group), get_rank(group)
+    rows = cast(Tensor, tensors[0]).shape[dim] if problem is None else 0
+    if world_size == 1 or torch.compiler.is_compiling():
+        return _agree_locally(problem, operation, rows, extra, sizes, total, group, world_size, rank)
+    local = [
+        _PROBLEM if problem is not None else _OK,
+        rows,
+        extra,
+        signature(cast(Sequence[Tensor], tensors), dim) if problem is None else 0,
+        _digest(sorted((options or {}).items())),
+        _NO_SIZES if sizes is None else _digest(tuple(sizes)),
+        _float_bits(float(total)) if total is not None else 0,
+    ]
+    table = torch.empty((world_size, _FIELDS), dtype=torch.int64, device=_device(tensors, group))
+    all_gather_single(table, torch.tensor([local], dtype=torch.int64, device=table.device), group=group)
+    everyone = table.tolist()
+    agreed_sizes = tuple(int(row[1]) for row in everyone)
+    # Every rank decides alike: the same table everywhere, and equal digests mean equal given sizes.
+    mismatch = {
+        "problem": any(row[0] != _OK for row in everyone),
+        "options": len({row[4] for row in everyone}) > 1,
+        "inputs": len({row[3] for row in everyone}) > 1,
+        "sizes": len({row[5] for row in everyone}) > 1 or (sizes is not None and tuple(sizes) != agreed_sizes),
+    }
+    if any(mismatch.values()):
+        same_sizes_given = len({row[5] for row in everyone}) == 1
+        _raise_everywhere(tensors, problem, options, sizes, group, world_size, operation, mismatch,
+                          agreed_sizes if same_sizes_given else None)
+    agreed_total = None
+    if total is not None:
+        agreed_total = torch.tensor(sum(_bits_float(int(row[6])) for row in everyone), dtype=total.dtype,
+                                    device=total.device)
+    extra_sizes = tuple(int(row[2]) for row in everyone)
+    return Layout(rank, world_size, agreed_sizes, extra_sizes, agreed_total, group)
+
+
+def _agree_locally(
+    problem: Problem | None,
+    operation: str,
+    rows: int,
+    extra: int,
+    sizes: Sequence[int] | None,
+    total: Tensor | None,
+    group: ProcessGroup | None,
+    world_size: int,
+    rank: int,
+) -> Layout:
+    """One rank, or under ``torch.compile``: nothing to exchange; given sizes are checked or trusted."""
+    if problem is not None:
+        raise problem[0](f"{operation}: {problem[1]}")
+    if world_size == 1:
+        if sizes is not None and tuple(sizes) != (rows,):
+            raise ValueError(f"{operation}: sizes={tuple(sizes)} was given, but the input has {rows} rows")
+        return Layout(rank, 1, (rows,), (extra,), total, group)
+    if sizes is None:
+        raise ValueError(f"{operation} under torch.compile needs sizes= (exchanging them is data-dependent)")
+    if extra:
+        raise ValueError(f"{operation} under torch.compile cannot exchange the count of this rank's own negatives")
+    if total is not None:
+        import torch.distributed._functional_collectives as funcol
+
+        total = funcol.all_reduce(total, "sum", cast(ProcessGroup, group or dist.group.WORLD))
+    return Layout(rank, world_size, tuple(sizes), (0,) * world_size, total, group)
+
+
+def _raise_everywhere(
+    tensors: Sequence[object],
+    problem: Problem | None,
+    options: Mapping[str, object] | None,
+    sizes: Sequence[int] | None,
+    group: ProcessGroup | None,
+    world_size: int,
+    operation: str,
+    mismatch: Mapping[str, bool],
+    rows: tuple[int, ...] | None,
 ) -> None:
-    """Every rank calls this together: share readable descriptions, raise the same error."""
-    described = f"{describe(tensors)}, dim={dim}"
-    if sizes_wrong:
-        described += f", sizes={tuple(given)}" if given is not None else ", no sizes="
-    mine = (problem[0].__name__ if problem else "", problem[1] if problem else described)
-    everyone: list[tuple[str, str] | None] = [None] * world_size
-    dist.all_gather_object(everyone, mine, group=group)
-    entries = [cast(tuple[str, str], entry) for entry in everyone]
-    lines = [f"  rank {rank}: {'ERROR ' if name else ''}{text}" for rank, (name, text) in enumerate(entries)]
-    failing = [rank for rank, (name, _) in enumerate(entries) if name]
+    """Every rank calls this together: share readable descriptions, raise the same error.
+
+    ``rows``: every rank's rows, when every rank was given the same ``sizes=`` (else ``None``).
+    """
+    described = describe(tensors)
+    if mismatch["sizes"]:
+        described += f", sizes={tuple(sizes)}" if sizes is not None else ", no sizes="
+    mine = {
+        "kind": problem[0].__name__ if problem else "",
+        "text": problem[1] if problem else described,
+        "options": dict(options or {}),
+    }
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, mine, group=group)
+    failing = [rank for rank, entry in enumerate(gathered) if entry["kind"]]
+    lines = [f"  rank {rank}: {'ERROR ' if entry['kind'] else ''}{entry['text']}"
+             for rank, entry in enumerate(gathered)]
+    kind: type[Exception] = ValueError
     if failing:
         # A rank found its own input invalid: its message leads, raised with its type everywhere.
-        name, text = entries[failing[0]]
-        kind: type[Exception] = TypeError if name == "TypeError" else ValueError
-        headline = f"{text} (on rank {failing[0]}; raised on every rank of the group). Inputs per rank:"
-    elif sizes_wrong:
-        kind = ValueError
-        headline = (
-            f"all_gather: sizes= must be given on every rank or on none, be the same sequence on every rank, "
-            f"and equal each rank's rows (checked because {DEBUG_VARIABLE}=1). Inputs per rank:"
-        )
+        first = gathered[failing[0]]
+        kind = TypeError if first["kind"] == "TypeError" else ValueError
+        headline = (f"{operation}: {first['text']} (on rank {failing[0]}; raised on every rank of the group). "
+                    "Inputs per rank:")
+    elif mismatch["options"]:
+        differing = sorted({key for entry in gathered for key in entry["options"]
+                            if len({repr(other["options"].get(key)) for other in gathered}) > 1})
+        lines = [f"  rank {rank}: " + ", ".join(f"{key}={entry['options'].get(key)!r}" for key in differing)
+                 for rank, entry in enumerate(gathered)]
+        headline = f"{operation}: the ranks called it with different options ({', '.join(differing)}); they must match:"
+    elif mismatch["sizes"] and rows is not None and sizes is not None:
+        headline = f"{operation}: sizes={tuple(sizes)} was given, but the ranks hold {rows} rows. Inputs per rank:"
+    elif mismatch["sizes"]:
+        headline = (f"{operation}: sizes= must be given on every rank or on none, be the same sequence on every "
+                    "rank, and equal each rank's rows. Inputs per rank:")
     else:
-        kind = ValueError
-        headline = (
-            "all_gather: the ranks' inputs do not agree: the dtype, every dimension except the gathered "
-            "one, and whether autograd tracks them must match on all ranks. Inputs per rank:"
-        )
+        headline = (f"{operation}: the ranks' inputs do not agree: the dtype, every dimension except the "
+                    "batch, and whether autograd tracks them must match on all ranks. Inputs per rank:")
     raise kind(headline + "\n" + "\n".join(lines))

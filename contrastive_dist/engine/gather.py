@@ -25,7 +25,8 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import get_rank, get_world_size, start_offset
-from contrastive_dist.engine._agreement import Problem, agree_on_sizes, debug_checks, local_problem, raise_disagreement
+from contrastive_dist._validation import sizes_problem
+from contrastive_dist.engine._agreement import Layout, agree, debug_checks, local_problem
 from contrastive_dist.engine._compiled import gather_compiled
 from contrastive_dist.engine._wire import (
     STATUS_BAD_ROWS,
@@ -36,7 +37,7 @@ from contrastive_dist.engine._wire import (
     reduce_scatter_rows,
 )
 
-__all__ = ["Gathered", "GatheredMany", "all_gather", "all_gather_many", "raise_on_all_ranks"]
+__all__ = ["Gathered", "GatheredMany", "all_gather", "all_gather_many", "gather_agreed", "raise_on_all_ranks"]
 
 
 class Gathered(NamedTuple):
@@ -174,76 +175,53 @@ def all_gather_many(
         raise TypeError("all_gather_many expects a sequence of tensors; use all_gather for one tensor")
     tensors = tuple(tensors)
     world_size, rank = get_world_size(group), get_rank(group)
-    problem = local_problem(tensors, dim)
-    if problem is None and sizes is not None:
-        problem = _sizes_problem(sizes, world_size)
-    if world_size == 1 or torch.compiler.is_compiling():
-        if problem is not None:
-            raise problem[0](f"all_gather: {problem[1]}")
-        if world_size == 1:
-            local = tensors[0].shape[dim]
-            if sizes is not None and tuple(sizes) != (local,):
-                raise ValueError(f"all_gather: sizes={tuple(sizes)} but the input has {local} rows along dim={dim}")
-            return GatheredMany(tensors, (local,), rank)
-        if sizes is None:
-            raise ValueError("all_gather under torch.compile needs sizes= (the size exchange is data-dependent)")
-        return GatheredMany(gather_compiled(tensors, dim, tuple(sizes), rank, group), tuple(sizes), rank)
-
-    if sizes is None:
-        known_sizes = agree_on_sizes(tensors, dim, problem, group, world_size)
-        gathered, _ = _gather_eager(tensors, dim, known_sizes, rank, group, check_rows=False)
-        return GatheredMany(gathered, known_sizes, rank)
-
-    known_sizes = tuple(sizes)
-    if debug_checks():
-        # CONTRASTIVE_DIST_DEBUG=1: the exchange the caller skipped, with the given sizes compared
-        # across ranks, so a contract violation raises here on every rank instead of in the transport.
-        agree_on_sizes(tensors, dim, problem, group, world_size, given=known_sizes)
-        gathered, _ = _gather_eager(tensors, dim, known_sizes, rank, group, check_rows=False)
-        return GatheredMany(gathered, known_sizes, rank)
+    problem = local_problem(tensors, dim) or (None if sizes is None else sizes_problem(sizes, world_size))
+    if world_size == 1 or torch.compiler.is_compiling() or sizes is None or debug_checks():
+        # The agreement exchange (nothing is exchanged for one rank or under torch.compile, where
+        # given sizes are trusted); CONTRASTIVE_DIST_DEBUG=1 runs it for caller-given sizes too.
+        layout = agree(tensors, problem=problem, group=group, dim=dim, sizes=sizes)
+        return gather_agreed(tensors, layout, dim)
     if problem is not None:
         # This rank cannot build a buffer of the promised shape; the others will time out
         # in their collective. (Validate inputs before promising sizes.)
         raise problem[0](f"all_gather: {problem[1]}")
+    known_sizes = tuple(sizes)
     gathered, statuses = _gather_eager(tensors, dim, known_sizes, rank, group, check_rows=True)
     if STATUS_BAD_ROWS in statuses or len(set(statuses)) > 1:
+        # Every rank learnt it from the statuses: they all join one exchange that raises everywhere.
         local = tensors[0].shape[dim]
         if local != known_sizes[rank]:
             problem = (ValueError, f"sizes[{rank}]={known_sizes[rank]} was given, but the input has {local} rows "
                        f"along dim={dim}")
-        raise_disagreement(tensors, dim, problem, group, world_size)
+        agree(tensors, problem=problem, group=group, dim=dim)
+        raise RuntimeError("all_gather: the ranks' statuses disagreed, but their inputs agree")  # not reached
     return GatheredMany(gathered, known_sizes, rank)
 
 
-def raise_on_all_ranks(
-    error: Exception,
-    tensors: Sequence[object],
-    *,
-    group: ProcessGroup | None = None,
-    sizes: Sequence[int] | None = None,
-) -> NoReturn:
+def gather_agreed(tensors: Sequence[Tensor], layout: Layout, dim: int = 0) -> GatheredMany:
+    """Gather ``tensors`` with the sizes every rank agreed on (:func:`~contrastive_dist.engine._agreement.agree`).
+
+    No exchange of its own: the layout says everything. Under ``torch.compile`` the traceable route.
+    """
+    tensors = tuple(tensors)
+    if layout.world_size == 1:
+        return GatheredMany(tensors, layout.sizes, layout.rank)
+    if torch.compiler.is_compiling():
+        gathered = gather_compiled(tensors, dim, layout.sizes, layout.rank, layout.group)
+        return GatheredMany(gathered, layout.sizes, layout.rank)
+    gathered, _ = _gather_eager(tensors, dim, layout.sizes, layout.rank, layout.group, check_rows=False)
+    return GatheredMany(gathered, layout.sizes, layout.rank)
+
+
+def raise_on_all_ranks(error: Exception, tensors: Sequence[object], *, group: ProcessGroup | None = None) -> NoReturn:
     """Raise ``error``, found on this rank only, on every rank instead of leaving the others waiting.
 
-    For code built on :func:`all_gather` / :func:`all_gather_many` (the losses) that validates its
-    inputs before its first gather: call this in place of ``raise error``. The other ranks are
-    entering the gather's agreement exchange; this rank joins it with a problem flag, so all of
-    them raise the same error, which names this rank's message. With ``sizes`` given there is no
-    exchange to join (unless ``CONTRASTIVE_DIST_DEBUG=1``): the error is raised here only (and
-    the other ranks wait for their collective's timeout), so validate inputs before promising sizes.
+    For code whose other ranks are entering :func:`~contrastive_dist.engine._agreement.agree` (the
+    agreement of :func:`all_gather` without ``sizes=``): this rank joins it with its problem, so all
+    of them raise the same error, which names this rank's message.
     """
-    world_size = get_world_size(group)
-    if world_size == 1 or torch.compiler.is_compiling() or (sizes is not None and not debug_checks()):
-        raise error
-    agree_on_sizes(tensors, 0, (type(error), str(error)), group, world_size, given=sizes)
-    raise error  # not reached: agree_on_sizes raises on every rank when any rank has a problem
-
-
-def _sizes_problem(sizes: Sequence[int], world_size: int) -> Problem | None:
-    if isinstance(sizes, Tensor) or not all(isinstance(size, int) and size >= 0 for size in sizes):
-        return TypeError, f"sizes must be a sequence of non-negative Python ints, got {sizes!r}"
-    if len(sizes) != world_size:
-        return ValueError, f"sizes must have one entry per rank ({world_size}), got {len(sizes)}: {tuple(sizes)}"
-    return None
+    agree(tensors, problem=(type(error), str(error)), group=group)
+    raise error  # not reached: the agreement raises on every rank when any rank has a problem
 
 
 def _gather_eager(

@@ -5,9 +5,14 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from contrastive_dist._validation import check_chunk_size, check_temperature
-from contrastive_dist.losses._reduction import Reduction, check_reduction
-from contrastive_dist.losses._ring_losses import Communication, check_communication
+from contrastive_dist.losses._options import (
+    Communication,
+    Reduction,
+    check_chunk_size,
+    check_communication,
+    check_reduction,
+    check_temperature,
+)
 
 __all__ = ["TemperatureLoss"]
 

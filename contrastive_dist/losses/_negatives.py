@@ -1,16 +1,28 @@
-"""Extra negative columns for InfoNCE: this rank's own (gathered from every rank) or shared ones (a queue)."""
+"""Extra negative columns for InfoNCE: this rank's own (they join its column block) or shared ones (a queue).
+
+**Own negatives** (each rank's ``k_r`` rows, any count, 0 included, with gradient) are columns of
+their rank, after its texts: gathered from every rank after every text in gather mode, travelling
+appended to their rank's text block in ring mode. Every image row meets every negative once
+(image→text only: text→image is over the texts alone), and each negative's gradient goes back to
+its owner (the gather's reduce-scatter, or the ring's accumulator). Every rank's ``k_r`` comes from
+the agreement exchange. **Shared negatives** (identical on every rank, no gradient, e.g. a memory
+queue) are columns held here: the kernel meets them locally, with no transfer.
+"""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
 from contrastive_dist._validation import check_features
-from contrastive_dist.engine.gather import all_gather
+from contrastive_dist.engine._agreement import Layout
+from contrastive_dist.engine._ring import Ring
+from contrastive_dist.engine.gather import gather_agreed
+from contrastive_dist.losses._columns import Columns, OneBlock, RingBlocks
 
-__all__ = ["SharedNegatives", "check_negatives", "negative_columns", "negatives_marker"]
+__all__ = ["SharedNegatives", "check_negatives", "negatives_kind", "with_own_negatives"]
 
 
 class SharedNegatives(NamedTuple):
@@ -43,26 +55,26 @@ def check_negatives(negatives: object, texts: Tensor) -> Tensor | SharedNegative
     return SharedNegatives(keys.detach().to(texts.device)) if shared else keys
 
 
-def negatives_marker(negatives: Tensor | SharedNegatives | None, texts: Tensor) -> tuple[Tensor, ...]:
-    """A zero-width tensor that says which kind of negatives this rank passes, for the features' gather.
-
-    It costs nothing on the wire, but its shape enters the gather's agreement: a rank passing own
-    negatives while another passes none (it would wait alone in the negatives' gather) or shared
-    ones raises the same clear error on every rank instead of hanging.
-    """
+def negatives_kind(negatives: object) -> str:
+    """``"none"``, ``"own"`` or ``"shared"``: an option every rank must agree on."""
     if negatives is None:
-        return ()
-    shape = (texts.shape[0], 0, 0) if isinstance(negatives, SharedNegatives) else (texts.shape[0], 0)
-    return (texts.new_zeros(shape),)
+        return "none"
+    return "shared" if isinstance(negatives, SharedNegatives) else "own"
 
 
-def negative_columns(negatives: Tensor | SharedNegatives, group: ProcessGroup | None) -> Tensor:
-    """All negative columns: every rank's own negatives in rank order, or the shared keys as they are.
+def with_own_negatives(columns: Columns, negatives: tuple[Tensor, ...], layout: Layout) -> Columns:
+    """``columns`` with every rank's own negatives after its texts: each tensor in ``negatives`` joins its peer.
 
-    Own negatives take their own gather (their count differs from the batch's, so they cannot share
-    the features' buffer); its agreement exchange makes a width or dtype that differs between ranks
-    a clear error on every rank, and its backward returns each negative's gradient to its owner.
+    Gather mode: every rank's negatives gathered (their agreed counts, one more collective) after
+    every rank's texts. Ring mode: this rank's appended to its block, which now has ``n_r + k_r`` columns.
     """
-    if isinstance(negatives, SharedNegatives):
-        return negatives.keys
-    return all_gather(negatives, group=group).tensor
+    counts = layout.extra_sizes
+    if isinstance(columns.transport, OneBlock):
+        gathered = gather_agreed(negatives, layout._replace(sizes=counts))
+        pairs = zip(columns.tensors, gathered.tensors)
+        joined = tuple(torch.cat((mine, theirs.to(mine.dtype))) for mine, theirs in pairs)
+        return Columns(joined, columns.transport, columns.rows)
+    ring = columns.transport.ring
+    rows = tuple(size + count for size, count in zip(columns.rows, counts, strict=True))
+    joined = tuple(torch.cat((mine, extra.to(mine.dtype))) for mine, extra in zip(columns.tensors, negatives))
+    return Columns(joined, RingBlocks(Ring(ring.rank, ring.world_size, rows, ring.group)), rows)

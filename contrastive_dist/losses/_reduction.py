@@ -1,79 +1,64 @@
-"""Per-sample weights and ``reduction``: checks and the weighted global mean every loss shares.
+"""The contract's reduction: this rank's share of the global (weighted) mean of the per-row losses.
 
-With weights ``w_i`` (one per local row) a loss is ``Σ_i w_i ℓ_i / Σ_global w_i`` over the global
-batch. The weights ride in the loss's own gather (packed beside the features when their dtypes
-match, so no extra collective), which gives every rank the same ``Σ_global w``, summed in the
-single-process order; a rank that passes weights while another does not fails the gather's
-agreement with a clear error on every rank instead of hanging. Ring mode reduces the same way
-(:mod:`._ring_extras`): the weights join its agreement exchange and ``Σ_global w`` takes one
-scalar all-reduce.
+With weights ``w_i`` (one per local row, ``w = 1`` without) a loss is ``Σ_i w_i ℓ_i / Σ_global w_i``
+over the global batch; each rank returns ``W · Σ_local w_i ℓ_i / Σ_global w_i``, so the mean over
+ranks — what DDP's gradient averaging differentiates — is the global mean, for any per-rank batch
+sizes, 0 included. The global weight total comes from the agreement exchange (no collective of
+its own); a denominator the inputs cannot tell up front (SupCon's anchors with positives) takes
+one scalar all-reduce.
 """
 
 from __future__ import annotations
 
-from typing import Literal, cast
+from typing import cast
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
-from contrastive_dist._validation import compute_dtype
-from contrastive_dist.losses._chunked import contract_factor
+from contrastive_dist.engine._agreement import Layout
 
-__all__ = ["Reduction", "check_reduction", "check_weight", "mean_factor", "total_factor"]
-
-Reduction = Literal["mean", "none"]
+__all__ = ["all_reduced", "mean_share", "weight_total"]
 
 
-def check_reduction(reduction: object, weight: object) -> Reduction:
-    """Check ``reduction`` is ``"mean"`` or ``"none"``, and that ``weight`` comes only with ``"mean"``."""
-    if reduction not in ("mean", "none"):
-        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
-    if reduction == "none" and weight is not None:
-        raise ValueError(
-            "weight= applies to reduction='mean' only; with reduction='none' the per-row losses come back "
-            "unweighted and the caller weights and normalises them"
-        )
-    return cast(Reduction, reduction)
+def weight_total(weights: Tensor | None) -> Tensor | None:
+    """The local weight total, for the agreement exchange (float64: exact enough for any batch)."""
+    return None if weights is None else weights.sum(dtype=torch.float64)
 
 
-def check_weight(weight: object, rows: int, like: Tensor) -> Tensor | None:
-    """Return ``weight`` detached, in ``like``'s compute dtype and device, after checking it.
+def mean_share(total: Tensor, layout: Layout, denominator: Tensor | int) -> Tensor:
+    """``W · total / denominator``: this rank's share of the global mean; 0 when the denominator is 0.
 
-    Expected: a real tensor of shape ``(rows,)``, every entry finite and ≥ 0.
+    ``denominator`` is global: the global row count (an int: no collective), or a 0-d tensor such as
+    the agreed weight total. A zero denominator means every term is 0 too (an empty global batch, all
+    weights 0): the result is then a zero still connected to the graph, so every rank still runs the
+    backward collectives.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_dist.engine._agreement import Layout
+        >>> layout = Layout(0, 2, (3, 1), (0, 0), None, None)
+        >>> mean_share(torch.tensor(6.0), layout, 4)
+        tensor(3.)
+        >>> mean_share(torch.tensor(0.0), layout, 0)
+        tensor(0.)
     """
-    if weight is None:
-        return None
-    if not isinstance(weight, Tensor):
-        raise TypeError(f"weight must be a torch.Tensor of shape ({rows},), got {type(weight).__name__}")
-    if weight.dtype == torch.bool or weight.is_complex():
-        raise TypeError(f"weight must be a real (float or integer) tensor, got {weight.dtype}")
-    if weight.shape != (rows,):
-        raise ValueError(f"weight must have one entry per local row, shape ({rows},), got {tuple(weight.shape)}")
-    values = weight.detach().to(dtype=compute_dtype(like.dtype), device=like.device)
-    if not bool(torch.isfinite(values).all()):
-        raise ValueError(f"weight must be finite, got {_first_bad(values, ~torch.isfinite(values))}")
-    if bool((values < 0).any()):
-        raise ValueError(f"weight must be >= 0, got {_first_bad(values, values < 0)}")
-    return values
+    if isinstance(denominator, int):
+        return total * (layout.world_size / denominator if denominator > 0 else 0.0)
+    denominator = denominator.to(total.dtype)
+    positive = denominator > 0
+    return total * torch.where(positive, layout.world_size / torch.where(positive, denominator, 1.0), 0.0)
 
 
-def _first_bad(values: Tensor, bad: Tensor) -> str:
-    index = int(torch.nonzero(bad)[0, 0])
-    return f"weight[{index}] = {values[index].item()}"
+def all_reduced(value: Tensor, layout: Layout) -> Tensor:
+    """``value`` summed over the ranks (one scalar all-reduce; traceable under ``torch.compile``)."""
+    if layout.world_size == 1:
+        return value
+    if torch.compiler.is_compiling():
+        import torch.distributed._functional_collectives as funcol
 
-
-def mean_factor(world_size: int, count: int, gathered_weights: Tensor | None) -> float | Tensor:
-    """``W / N`` (unweighted) or ``W / Σ_global w``; 0 when the denominator is 0 (the loss is then 0).
-
-    Returned as a tensor when weighted (no host sync); multiplied into this rank's (weighted) sum of
-    per-row losses, it makes the mean over ranks the global (weighted) mean.
-    """
-    if gathered_weights is None:
-        return contract_factor(count, world_size)
-    return total_factor(world_size, gathered_weights.sum())
-
-
-def total_factor(world_size: int, total: Tensor) -> Tensor:
-    """``W / total`` as a 0-d tensor (no host sync), 0 where ``total`` is 0 (then the summed losses are 0 too)."""
-    positive = total > 0
-    return torch.where(positive, world_size / torch.where(positive, total, 1.0), 0.0)
+        return funcol.all_reduce(value, "sum", cast(ProcessGroup, layout.group or dist.group.WORLD))
+    summed = value.clone()
+    dist.all_reduce(summed, group=layout.group)
+    return summed

@@ -2,29 +2,44 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
+from typing import NamedTuple, cast
 
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist._dist import get_world_size
-from contrastive_dist._validation import (
-    check_chunk_size,
-    check_pair,
-    check_temperature,
-    resolve_scale,
-    validated_on_all_ranks,
-)
-from contrastive_dist.engine.gather import all_gather_many
-from contrastive_dist.losses._chunked import Targets, cross_entropy, upcast
+from contrastive_dist._validation import check_pair, collect
+from contrastive_dist.engine._agreement import agree
+from contrastive_dist.losses._columns import Columns, meet
+from contrastive_dist.losses._kernel import SOFTMAX, Direction, Pairs, mean_over_directions
 from contrastive_dist.losses._module import TemperatureLoss
-from contrastive_dist.losses._negatives import SharedNegatives, check_negatives, negative_columns, negatives_marker
-from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight, mean_factor
-from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_checks, ring_info_nce
+from contrastive_dist.losses._negatives import SharedNegatives, check_negatives, negatives_kind, with_own_negatives
+from contrastive_dist.losses._options import (
+    Communication,
+    Reduction,
+    check_bool,
+    check_chunk_size,
+    check_communication,
+    check_reduction,
+    check_temperature,
+    check_weight,
+    resolve_scale,
+)
+from contrastive_dist.losses._precision import full_precision, upcast
+from contrastive_dist.losses._reduction import mean_share, weight_total
+from contrastive_dist.losses._targets import RowTargets
 
 __all__ = ["DistributedInfoNCE", "info_nce"]
+
+
+class _Arguments(NamedTuple):
+    images: Tensor
+    texts: Tensor
+    scale: Tensor
+    chunk_size: int | None
+    weights: Tensor | None
+    negatives: Tensor | SharedNegatives | None
 
 
 def info_nce(
@@ -49,15 +64,15 @@ def info_nce(
     image ``i`` too; the two directions are averaged. ``symmetric=False`` keeps image→text only.
 
     The features are used as given: normalise them in the model, as CLIP does. Each rank
-    computes its local rows against the gathered columns and returns ``(W / N) · Σ_i ℓ_i``, so
-    the mean over ranks of the returned values is the single-process loss and DDP's gradient
-    averaging gives its exact gradient, for any per-rank batch sizes (including 0). Without a
-    process group this is the plain single-process loss.
+    computes its local rows against every column and returns ``(W / N) · Σ_i ℓ_i``, so the mean
+    over ranks of the returned values is the single-process loss and DDP's gradient averaging
+    gives its exact gradient, for any per-rank batch sizes (including 0). Without a process
+    group this is the plain single-process loss.
 
     **Extra negatives.** ``negatives`` adds columns that every image row must rank below its
     text (image→text only; text→image is unchanged): a tensor holds this rank's own negatives
-    (any count, 0 included, e.g. ``k`` hard negatives per query), gathered from every rank in
-    rank order, each one's gradient returned to its owner; :class:`SharedNegatives` (e.g.
+    (any count, 0 included, e.g. ``k`` hard negatives per query), met by every rank's rows, each
+    one's gradient returned to its owner; :class:`SharedNegatives` (e.g.
     :attr:`DistributedMemoryQueue.negatives`) holds negatives identical on every rank, used as
     they are, without gradient.
 
@@ -74,27 +89,31 @@ def info_nce(
             ``model.logit_scale.exp()``, as in CLIP); receives gradients. Default ``1 / temperature``.
         temperature: used when ``logit_scale`` is ``None``; must be > 0.
         symmetric: average image→text and text→image (``True``) or image→text only.
-        chunk_size: compute ``chunk_size`` rows at a time against all gathered columns, so
-            at most ``chunk_size × N`` logits exist at once; same value and gradients.
+        chunk_size: compute ``chunk_size`` rows at a time against each block of columns, so at
+            most ``chunk_size × block`` logits exist at once; same value and gradients.
         group: the process group (default: the world).
-        sizes: every rank's batch size, if known (skips the size exchange).
+        sizes: every rank's batch size, if known: checked against the ranks' rows (required under
+            ``torch.compile``, where it is trusted).
         negatives: extra negative texts: this rank's own ``(k_r, D)`` (same dtype as the texts,
             the same kind on every rank) or :class:`SharedNegatives`; see above.
         weight: one weight ≥ 0 per local pair (no gradient); see above.
         reduction: ``"mean"`` (this rank's share of the global mean) or ``"none"`` (per-pair losses).
         communication: ``"gather"`` gathers every rank's features onto every rank (memory
-            ``O(N·D + chunk·N)``); ``"ring"`` keeps the images here and passes text blocks round
-            the ring, each logit block serving both directions (memory ``O(n_r·D + chunk·max_r n_r)``,
-            independent of the number of ranks); same value and gradients, every option included:
-            ``weight`` (one more scalar all-reduce), ``reduction="none"``, own negatives (they
-            travel with their rank's text block, memory ``O(chunk·max_r (n_r + k_r))``) and
-            shared negatives (local columns, no transfer).
+            ``O(N·D + chunk·N)``); ``"ring"`` keeps the images here and passes text blocks (with
+            their rank's own negatives) round the ring, each logit block serving both directions
+            (memory ``O(n_r·D + chunk·max_r (n_r + k_r))``, independent of the number of ranks).
+            Same value and gradients, every option included.
 
     Returns:
         ``"mean"``: a scalar, this rank's share of the global loss (0 for an empty global batch or
         all-zero weights). ``"none"``: this rank's per-pair losses. Float32 (float64 for float64
         features): the core runs in float32 with autocast off, so fp16/bf16 features and
         ``torch.autocast`` work; gradients come back in the inputs' dtypes.
+
+    Raises:
+        ValueError / TypeError: on every rank, when an input or option is invalid on any rank, or
+            the ranks' inputs or options (temperature, ``symmetric``, ``chunk_size``,
+            ``communication``, ``reduction``, which optional tensors are passed) differ.
 
     Shape:
         image_features, text_features: ``(n_r, D)``; logit_scale: ``()``; negatives: ``(k_r, D)``
@@ -116,51 +135,68 @@ def info_nce(
         torch.Size([4])
 
     """
-    with validated_on_all_ranks((image_features, text_features), group=group, sizes=ring_checks(communication, sizes)):
-        image_features, text_features = check_pair("image_features", image_features, "text_features", text_features)
-        scale = resolve_scale(logit_scale, check_temperature(temperature), image_features)
-        chunk_size = check_chunk_size(chunk_size)
-        if not isinstance(symmetric, bool):
-            raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
-        reduction = check_reduction(reduction, weight)
-        weights = check_weight(weight, image_features.shape[0], image_features)
-        negatives = check_negatives(negatives, text_features)
-        communication = check_communication(communication)
-    if communication == "ring":
-        return ring_info_nce(
-            image_features,
-            text_features,
-            scale,
-            symmetric=symmetric,
-            chunk_size=chunk_size,
-            group=group,
-            sizes=sizes,
-            negatives=negatives,
-            weights=weights,
-            reduction=reduction,
+
+    def arguments() -> _Arguments:
+        images, texts = check_pair("image_features", image_features, "text_features", text_features)
+        check_bool("symmetric", symmetric)
+        check_reduction(reduction, weight)
+        check_communication(communication)
+        return _Arguments(
+            images,
+            texts,
+            resolve_scale(logit_scale, check_temperature(temperature), images),
+            check_chunk_size(chunk_size),
+            check_weight(weight, images.shape[0], images),
+            check_negatives(negatives, texts),
         )
-    world_size = get_world_size(group)
-    own = (image_features, text_features) if symmetric else (text_features,)
-    extras = (() if weights is None else (weights,)) + negatives_marker(negatives, text_features)
-    gathered = all_gather_many(own + extras, group=group, sizes=sizes)
-    all_texts = gathered.tensors[len(own) - 1]
-    if negatives is not None:
-        # In the core's dtype: shared keys (a float32 queue) may differ from bf16/fp16 features.
-        all_texts = upcast(all_texts)
-        all_texts = torch.cat((all_texts, negative_columns(negatives, group).to(all_texts.dtype)))
-    local_rows = torch.arange(image_features.shape[0], device=image_features.device)
-    positives = Targets(columns=local_rows + gathered.offset)
-    one_direction = functools.partial(cross_entropy, scale=scale, targets=positives, chunk_size=chunk_size)
+
+    checked, problem = collect(arguments)
+    own_negatives = checked.negatives if checked is not None and isinstance(checked.negatives, Tensor) else None
+    layout = agree(
+        (image_features, text_features, *(() if own_negatives is None else (own_negatives,))),
+        problem=problem,
+        group=group,
+        operation="info_nce",
+        options={
+            "temperature": temperature if logit_scale is None else "logit_scale",
+            "symmetric": symmetric,
+            "chunk_size": chunk_size,
+            "communication": communication,
+            "reduction": reduction,
+            "negatives": negatives_kind(negatives),
+            "weight": weight is not None,
+        },
+        sizes=sizes,
+        extra=0 if own_negatives is None else own_negatives.shape[0],
+        total=None if checked is None else weight_total(checked.weights),
+    )
+    images, texts, scale, chunk, weights, negatives = cast(_Arguments, checked)
+    ring = communication == "ring"
+    with full_precision(images.device):
+        # Gather mode's text→image direction needs every rank's images too: gathered with the texts.
+        columns = meet(communication, layout, (texts, images) if symmetric and not ring else (texts,))
+        text_columns = Columns((upcast(columns.tensors[0]),), columns.transport, columns.rows)
+        if own_negatives is not None:
+            text_columns = with_own_negatives(text_columns, (upcast(own_negatives),), layout)
+        pairs_with = torch.arange(images.shape[0], device=images.device)
+        rows = RowTargets(positive=pairs_with, column_positive=pairs_with if ring and symmetric else None)
+        image_to_text = Pairs(
+            SOFTMAX,
+            rows,
+            text_columns.transport,
+            chunk or max(images.shape[0], 1),
+            key_rows=text_columns.rows,
+            columns=layout.sizes if ring and symmetric else None,  # ring: the texts' own losses, same logits
+            local_keys=negatives.keys if isinstance(negatives, SharedNegatives) else None,
+        )
+        directions = [Direction(upcast(images), text_columns.tensors[0], scale, None, image_to_text)]
+        if symmetric and not ring:
+            text_to_image = image_to_text._replace(local_keys=None, key_rows=columns.rows)
+            directions.append(Direction(upcast(texts), upcast(columns.tensors[1]), scale, None, text_to_image))
+        value, _ = mean_over_directions(directions, weights=weights, per_row=reduction == "none")
     if reduction == "none":
-        rows = one_direction(image_features, all_texts, reduction="none")
-        if symmetric:
-            rows = (rows + one_direction(text_features, gathered.tensors[0], reduction="none")) * 0.5
-        return rows
-    total = one_direction(image_features, all_texts, row_weights=weights)
-    if symmetric:
-        total = (total + one_direction(text_features, gathered.tensors[0], row_weights=weights)) * 0.5
-    all_weights = None if weights is None else gathered.tensors[len(own)]
-    return total * mean_factor(world_size, sum(gathered.sizes), all_weights)
+        return value
+    return mean_share(value, layout, sum(layout.sizes) if layout.total is None else layout.total)
 
 
 class DistributedInfoNCE(TemperatureLoss):

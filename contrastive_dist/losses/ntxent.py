@@ -3,27 +3,41 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist._dist import get_world_size
-from contrastive_dist._validation import (
-    check_chunk_size,
-    check_pair,
-    check_temperature,
-    resolve_scale,
-    validated_on_all_ranks,
-)
-from contrastive_dist.engine.gather import all_gather_many
-from contrastive_dist.losses._chunked import Targets, cross_entropy, full_precision, upcast
+from contrastive_dist._validation import check_pair, collect
+from contrastive_dist.engine._agreement import agree
+from contrastive_dist.losses._columns import meet
+from contrastive_dist.losses._kernel import SOFTMAX, Direction, Pairs, mean_over_directions
 from contrastive_dist.losses._module import TemperatureLoss
-from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight, mean_factor
-from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_checks, ring_nt_xent
+from contrastive_dist.losses._options import (
+    Communication,
+    Reduction,
+    check_chunk_size,
+    check_communication,
+    check_reduction,
+    check_temperature,
+    check_weight,
+    resolve_scale,
+)
+from contrastive_dist.losses._precision import full_precision, upcast
+from contrastive_dist.losses._reduction import mean_share, weight_total
+from contrastive_dist.losses._targets import RowTargets
 
 __all__ = ["NTXentLoss", "nt_xent"]
+
+
+class _Arguments(NamedTuple):
+    z1: Tensor
+    z2: Tensor
+    scale: Tensor
+    chunk_size: int | None
+    weights: Tensor | None
 
 
 def nt_xent(
@@ -65,7 +79,8 @@ def nt_xent(
         temperature: divides the cosine similarities when ``logit_scale`` is ``None``; > 0.
         chunk_size: anchors per block (at most ``chunk_size × 2N`` logits at once); same result.
         group: the process group (default: the world).
-        sizes: every rank's batch size, if known (skips the size exchange).
+        sizes: every rank's batch size, if known: checked against the ranks' rows (required under
+            ``torch.compile``, where it is trusted).
         weight: one weight ≥ 0 per local sample (no gradient); see above.
         reduction: ``"mean"`` (this rank's share of the global mean) or ``"none"`` (per-sample losses).
         communication: ``"gather"`` gathers both views of every rank onto every rank (memory
@@ -95,40 +110,53 @@ def nt_xent(
         torch.Size([])
 
     """
-    with validated_on_all_ranks((z1, z2), group=group, sizes=ring_checks(communication, sizes)):
-        z1, z2 = check_pair("z1", z1, "z2", z2)
-        scale = resolve_scale(logit_scale, check_temperature(temperature), z1)
-        chunk_size = check_chunk_size(chunk_size)
-        reduction = check_reduction(reduction, weight)
-        weights = check_weight(weight, z1.shape[0], z1)
-        communication = check_communication(communication)
-    if communication == "ring":
-        return ring_nt_xent(
-            z1, z2, scale, chunk_size=chunk_size, group=group, sizes=sizes, weights=weights, reduction=reduction
+
+    def arguments() -> _Arguments:
+        first, second = check_pair("z1", z1, "z2", z2)
+        check_reduction(reduction, weight)
+        check_communication(communication)
+        scale = resolve_scale(logit_scale, check_temperature(temperature), first)
+        weights = check_weight(weight, first.shape[0], first)
+        return _Arguments(first, second, scale, check_chunk_size(chunk_size), weights)
+
+    checked, problem = collect(arguments)
+    layout = agree(
+        (z1, z2),
+        problem=problem,
+        group=group,
+        operation="nt_xent",
+        options={
+            "temperature": temperature if logit_scale is None else "logit_scale",
+            "chunk_size": chunk_size,
+            "communication": communication,
+            "reduction": reduction,
+            "weight": weight is not None,
+        },
+        sizes=sizes,
+        total=None if checked is None else weight_total(checked.weights),
+    )
+    first, second, scale, chunk, weights = cast(_Arguments, checked)
+    samples = first.shape[0]
+    with full_precision(first.device):
+        # Normalised in the core's dtype, so bf16/fp16 inputs lose nothing to a rounded unit vector.
+        # Sample-major anchors: sample i's views are rows 2i and 2i + 1, its own block's columns too.
+        views = F.normalize(upcast(torch.stack((first, second), dim=1)), dim=-1).flatten(0, 1)
+        columns = meet(communication, layout, (views,), per_sample=2)
+        anchors = torch.arange(2 * samples, device=first.device)
+        pairs = Pairs(
+            SOFTMAX,
+            RowTargets(positive=anchors ^ 1, excluded=anchors),  # the other view; never itself
+            columns.transport,
+            chunk or max(2 * samples, 1),
+            key_rows=columns.rows,
         )
-    gathered = all_gather_many((z1, z2) + (() if weights is None else (weights,)), group=group, sizes=sizes)
-    total = sum(gathered.sizes)
-    with full_precision(z1.device):
-        # Normalised after the gather, in the core's dtype: rows are normalised one by one, so
-        # this is the same loss, and bf16/fp16 inputs lose nothing to a rounded unit vector.
-        # Columns: every rank's first views, then every rank's second views (the single-process
-        # order cat(z1, z2) when W = 1). Local anchor i of view 1 is column offset + i.
-        keys = F.normalize(upcast(torch.cat(gathered.tensors[:2])), dim=-1)
-        u1, u2 = F.normalize(upcast(z1), dim=-1), F.normalize(upcast(z2), dim=-1)
-        own_columns = torch.arange(gathered.offset, gathered.offset + z1.shape[0], device=z1.device)
-        anchors = Targets(
-            columns=torch.cat((own_columns + total, own_columns)),
-            excluded=torch.cat((own_columns, own_columns + total)),
-        )
-        queries = torch.cat((u1, u2))
-        if reduction == "none":
-            rows = cross_entropy(queries, keys, scale, anchors, chunk_size=chunk_size, reduction="none")
-            return rows.view(2, z1.shape[0]).mean(dim=0)
-        row_weights = None if weights is None else weights.repeat(2)
-        loss_sum = cross_entropy(queries, keys, scale, anchors, chunk_size=chunk_size, row_weights=row_weights)
-    # Two anchors per sample: the weighted mean over anchors is half the sum over samples' pairs.
-    factor = mean_factor(get_world_size(group), total, None if weights is None else gathered.tensors[2])
-    return loss_sum * 0.5 * factor
+        direction = Direction(views, columns.tensors[0], scale, None, pairs)
+        anchor_weights = None if weights is None else weights.repeat_interleave(2)
+        value, _ = mean_over_directions([direction], weights=anchor_weights, per_row=reduction == "none")
+    if reduction == "none":
+        return value.view(samples, 2).mean(dim=1)  # a sample's loss: the mean of its two anchors'
+    denominator = sum(layout.sizes) if layout.total is None else layout.total
+    return mean_share(value * 0.5, layout, denominator)
 
 
 class NTXentLoss(TemperatureLoss):

@@ -2,35 +2,41 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import NamedTuple, cast
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
-from torch.utils.checkpoint import checkpoint
 
-from contrastive_dist._dist import get_world_size
-from contrastive_dist._validation import (
+from contrastive_dist._validation import check_pair, collect
+from contrastive_dist.engine._agreement import agree
+from contrastive_dist.losses._columns import meet
+from contrastive_dist.losses._kernel import SIGMOID, Direction, Pairs, mean_over_directions
+from contrastive_dist.losses._options import (
+    Communication,
+    Reduction,
     check_chunk_size,
-    check_pair,
+    check_communication,
+    check_reduction,
+    check_weight,
     positive_scalar,
     scalar_tensor,
-    validated_on_all_ranks,
 )
-from contrastive_dist.engine.gather import all_gather_many
-from contrastive_dist.losses._chunked import first_order_only, full_precision, upcast
-from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight, mean_factor
-from contrastive_dist.losses._ring_losses import (
-    Communication,
-    check_communication,
-    ring_checks,
-    ring_siglip,
-)
+from contrastive_dist.losses._precision import full_precision, upcast
+from contrastive_dist.losses._reduction import mean_share, weight_total
+from contrastive_dist.losses._targets import RowTargets
 
 __all__ = ["SigLIPLoss", "siglip"]
+
+
+class _Arguments(NamedTuple):
+    images: Tensor
+    texts: Tensor
+    scale: Tensor
+    bias: Tensor
+    chunk_size: int | None
+    weights: Tensor | None
 
 
 def siglip(
@@ -65,7 +71,7 @@ def siglip(
     ``Σ_i w_i ℓ_i / Σ_global w_i`` (this rank returns ``W · Σ_local w_i ℓ_i / Σ_global w``, still
     exact under DDP). ``reduction="none"`` returns this rank's ``ℓ_i`` as they are: the caller
     owns the normalisation (``rows.sum() * W / N`` gives back the mean's share); with
-    ``chunk_size`` that mode recomputes each block in backward (one more product per block).
+    that mode recomputes each block in backward (one more product per block).
 
     Args:
         image_features: this rank's image embeddings.
@@ -75,7 +81,8 @@ def siglip(
         logit_bias: added to every logit (learnable ``b``; SigLIP initialises it at −10).
         chunk_size: image rows per block; same value and gradients.
         group: the process group (default: the world).
-        sizes: every rank's batch size, if known (skips the size exchange).
+        sizes: every rank's batch size, if known: checked against the ranks' rows (required under
+            ``torch.compile``, where it is trusted).
         weight: one weight ≥ 0 per local image row (no gradient); see above.
         reduction: ``"mean"`` (this rank's share of the global mean) or ``"none"`` (per-row losses).
         communication: ``"gather"`` gathers every rank's texts onto every rank (memory
@@ -106,118 +113,46 @@ def siglip(
         torch.Size([4])
 
     """
-    with validated_on_all_ranks((image_features, text_features), group=group, sizes=ring_checks(communication, sizes)):
-        image_features, text_features = check_pair("image_features", image_features, "text_features", text_features)
-        scale = positive_scalar("logit_scale", logit_scale, image_features)
-        bias = scalar_tensor("logit_bias", logit_bias, image_features)
-        chunk_size = check_chunk_size(chunk_size)
-        reduction = check_reduction(reduction, weight)
-        weights = check_weight(weight, image_features.shape[0], image_features)
-        communication = check_communication(communication)
-    if communication == "ring":
-        return ring_siglip(
-            image_features,
-            text_features,
-            scale,
-            bias,
-            chunk_size=chunk_size,
-            group=group,
-            sizes=sizes,
-            weights=weights,
-            reduction=reduction,
+
+    def arguments() -> _Arguments:
+        images, texts = check_pair("image_features", image_features, "text_features", text_features)
+        check_reduction(reduction, weight)
+        check_communication(communication)
+        return _Arguments(
+            images,
+            texts,
+            positive_scalar("logit_scale", logit_scale, images),
+            scalar_tensor("logit_bias", logit_bias, images),
+            check_chunk_size(chunk_size),
+            check_weight(weight, images.shape[0], images),
         )
-    own = (text_features,) + (() if weights is None else (weights,))
-    gathered = all_gather_many(own, group=group, sizes=sizes)
-    factor = mean_factor(get_world_size(group), sum(gathered.sizes), None if weights is None else gathered.tensors[1])
-    with full_precision(image_features.device):
-        images, texts = upcast(image_features), upcast(gathered.tensors[0])
-        if chunk_size is None or reduction == "none":
-            block = functools.partial(_pair_rows, texts=texts, scale=scale, bias=bias, offset=gathered.offset)
-            if chunk_size is None or images.shape[0] == 0:
-                rows = block(images, start=0)
-            else:
-                # Per-row results need per-row upstream gradients: each block is recomputed in
-                # backward (checkpointed), so memory stays at one block's logits.
-                blocks = range(0, images.shape[0], chunk_size)
-                rows = torch.cat(
-                    [checkpoint(block, images[i : i + chunk_size], start=i, use_reentrant=False) for i in blocks]
-                )
-            if reduction == "none":
-                return rows
-            return (rows.sum() if weights is None else rows @ weights) * factor
-        # One flag per input: a side without gradient skips its accumulator and product.
-        wanted = tuple(torch.is_grad_enabled() and t.requires_grad for t in (images, texts, scale, bias))
-        total = _SigmoidPairsSum.apply(images, texts, scale, bias, weights, gathered.offset, chunk_size, *wanted)
-        return total * factor
 
-
-def _pair_rows(images: Tensor, *, texts: Tensor, scale: Tensor, bias: Tensor, offset: int, start: int) -> Tensor:
-    """``ℓ_i = Σ_j softplus(−z_ij · (s·x_i·y_j + b))`` for image rows ``start:start+len(images)``, by autograd."""
-    logits = (images * scale) @ texts.T + bias
-    rows = torch.arange(images.shape[0], device=logits.device)
-    signs = -torch.ones_like(logits)
-    signs[rows, rows + offset + start] = 1.0
-    return F.softplus(-signs * logits).sum(dim=1)
-
-
-class _SigmoidPairsSum(torch.autograd.Function):
-    """``Σ_ij softplus(−z_ij · (s·x_i·y_j + b))`` in row blocks; gradients formed in forward."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        images: Tensor,
-        texts: Tensor,
-        scale: Tensor,
-        bias: Tensor,
-        weights: Tensor | None,
-        offset: int,
-        chunk_size: int,
-        want_image: bool,
-        want_text: bool,
-        want_scale: bool,
-        want_bias: bool,
-    ) -> Tensor:
-        total = images.new_zeros(())
-        image_grad = torch.empty_like(images) if want_image else None
-        text_grad = torch.zeros_like(texts) if want_text else None
-        scale_grad = images.new_zeros(()) if want_scale else None
-        bias_grad = images.new_zeros(()) if want_bias else None
-        for start in range(0, images.shape[0], chunk_size):
-            stop = min(start + chunk_size, images.shape[0])
-            scaled_images = images[start:stop] * scale
-            margins = torch.addmm(bias.expand(1, 1), scaled_images, texts.T)  # becomes −z · logit
-            rows = torch.arange(stop - start, device=images.device)
-            matches = (rows, rows + offset + start)
-            margins[matches] = -margins[matches]
-            row_losses = F.softplus(margins).sum(dim=1)
-            total += row_losses.sum() if weights is None else row_losses @ weights[start:stop]
-            if not (want_image or want_text or want_scale or want_bias):
-                continue
-            # d softplus(−z·l)/dl = −z·σ(−z·l): σ(margin) off the diagonal, −σ(margin) on it.
-            logit_grad = margins.sigmoid_()
-            logit_grad[matches] = -logit_grad[matches]
-            if weights is not None:
-                logit_grad.mul_(weights[start:stop, None])
-            if text_grad is not None:
-                text_grad.addmm_(logit_grad.T, scaled_images)
-            if bias_grad is not None:
-                bias_grad += logit_grad.sum()
-            if image_grad is None and scale_grad is None:
-                continue
-            weighted_texts = logit_grad @ texts
-            if image_grad is not None:
-                image_grad[start:stop] = weighted_texts * scale
-            if scale_grad is not None:
-                scale_grad += (images[start:stop] * weighted_texts).sum()
-        ctx.save_for_backward(image_grad, text_grad, scale_grad, bias_grad)
-        return total
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        grads = tuple(None if grad is None else grad * grad_output for grad in ctx.saved_tensors)
-        return (*grads, None, None, None, None, None, None, None)
+    checked, problem = collect(arguments)
+    layout = agree(
+        (image_features, text_features),
+        problem=problem,
+        group=group,
+        operation="siglip",
+        options={"chunk_size": chunk_size, "communication": communication, "reduction": reduction,
+                 "weight": weight is not None},
+        sizes=sizes,
+        total=None if checked is None else weight_total(checked.weights),
+    )
+    images, texts, scale, bias, chunk, weights = cast(_Arguments, checked)
+    with full_precision(images.device):
+        columns = meet(communication, layout, (upcast(texts),))
+        pairs = Pairs(
+            SIGMOID,
+            RowTargets(positive=torch.arange(images.shape[0], device=images.device)),  # its own text
+            columns.transport,
+            chunk or max(images.shape[0], 1),
+            key_rows=columns.rows,
+        )
+        direction = Direction(upcast(images), columns.tensors[0], scale, bias, pairs)
+        value, _ = mean_over_directions([direction], weights=weights, per_row=reduction == "none")
+    if reduction == "none":
+        return value
+    return mean_share(value, layout, sum(layout.sizes) if layout.total is None else layout.total)
 
 
 class SigLIPLoss(nn.Module):

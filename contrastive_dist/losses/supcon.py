@@ -3,27 +3,40 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple, cast
 
 import torch
 from einops import rearrange
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist._dist import get_world_size
-from contrastive_dist._validation import (
-    check_chunk_size,
-    check_features,
-    check_temperature,
-    resolve_scale,
-    validated_on_all_ranks,
-)
-from contrastive_dist.engine.gather import all_gather_many
-from contrastive_dist.losses._chunked import Targets, cross_entropy, full_precision, upcast
+from contrastive_dist._validation import check_features, collect
+from contrastive_dist.engine._agreement import agree
+from contrastive_dist.losses._columns import meet
+from contrastive_dist.losses._kernel import SOFTMAX, Direction, Pairs, mean_over_directions
 from contrastive_dist.losses._module import TemperatureLoss
-from contrastive_dist.losses._reduction import Reduction, check_reduction, check_weight
-from contrastive_dist.losses._ring_losses import Communication, check_communication, ring_checks, ring_supcon
+from contrastive_dist.losses._options import (
+    Communication,
+    Reduction,
+    check_chunk_size,
+    check_communication,
+    check_reduction,
+    check_temperature,
+    check_weight,
+    resolve_scale,
+)
+from contrastive_dist.losses._precision import full_precision, upcast
+from contrastive_dist.losses._reduction import all_reduced, mean_share
+from contrastive_dist.losses._targets import RowTargets
 
 __all__ = ["SupConLoss", "supcon"]
+
+
+class _Arguments(NamedTuple):
+    features: Tensor
+    scale: Tensor
+    chunk_size: int | None
+    weights: Tensor | None
 
 
 def supcon(
@@ -76,7 +89,8 @@ def supcon(
         temperature: divides the similarities when ``logit_scale`` is ``None``; > 0.
         chunk_size: anchors per block (the logits and two masks of ``chunk_size × N·V`` at once); same result.
         group: the process group (default: the world).
-        sizes: every rank's batch size ``n_r``, if known (skips the size exchange).
+        sizes: every rank's batch size ``n_r``, if known: checked against the ranks' rows (required
+            under ``torch.compile``, where it is trusted).
         weight: one weight ≥ 0 per local sample (no gradient); see above.
         reduction: ``"mean"`` (this rank's share of the global mean) or ``"none"`` (per-anchor losses).
         communication: ``"gather"`` gathers every rank's embeddings and labels onto every rank
@@ -108,63 +122,57 @@ def supcon(
         torch.Size([6, 2])
 
     """
-    with validated_on_all_ranks((features, labels), group=group, sizes=ring_checks(communication, sizes)):
-        features = check_features("features", features, ndims=(2, 3))
-        _check_labels(labels, features.shape[0])
-        scale = resolve_scale(logit_scale, check_temperature(temperature), features)
-        chunk_size = check_chunk_size(chunk_size)
-        reduction = check_reduction(reduction, weight)
-        weights = check_weight(weight, features.shape[0], features)
-        communication = check_communication(communication)
-    if communication == "ring":
-        return ring_supcon(
-            features,
-            labels,
-            scale,
-            chunk_size=chunk_size,
-            group=group,
-            sizes=sizes,
-            weights=weights,
-            reduction=reduction,
-        )
-    own = (features, labels) + (() if weights is None else (weights,))
-    gathered = all_gather_many(own, group=group, sizes=sizes)
-    all_features, all_labels = gathered.tensors[:2]
+
+    def arguments() -> _Arguments:
+        checked = check_features("features", features, ndims=(2, 3))
+        _check_labels(labels, checked.shape[0])
+        check_reduction(reduction, weight)
+        check_communication(communication)
+        scale = resolve_scale(logit_scale, check_temperature(temperature), checked)
+        return _Arguments(checked, scale, check_chunk_size(chunk_size), check_weight(weight, checked.shape[0], checked))
+
+    checked, problem = collect(arguments)
+    layout = agree(
+        (features, labels),
+        problem=problem,
+        group=group,
+        operation="supcon",
+        options={
+            "temperature": temperature if logit_scale is None else "logit_scale",
+            "chunk_size": chunk_size,
+            "communication": communication,
+            "reduction": reduction,
+            "weight": weight is not None,
+        },
+        sizes=sizes,
+    )
+    features, scale, chunk, weights = cast(_Arguments, checked)
     views = 1 if features.ndim == 2 else features.shape[1]
-    # One row per embedding, sample-major: the embedding (sample s, view v) is row s·V + v.
-    _, key_class = torch.unique(all_labels.repeat_interleave(views), return_inverse=True)
-    has_positives = torch.bincount(key_class)[key_class] > 1
-    first_local_key = gathered.offset * views
-    local_count = features.shape[0] * views
-    # Every local embedding is a query; one without positives gets weight 0 instead of being
-    # selected out, so no shape depends on the labels (torch.compile needs none). With a single
-    # embedding in the whole batch no row has any candidate: then no row is a query at all.
-    query_count = local_count if key_class.shape[0] > 1 else 0
-    anchor_keys = torch.arange(query_count, device=features.device) + first_local_key
-    is_anchor = has_positives[anchor_keys]
     with full_precision(features.device):
-        keys = upcast(rearrange(all_features, "n ... d -> (n ...) d"))
-        queries = upcast(rearrange(features, "n ... d -> (n ...) d"))[:query_count]
-        # Class indices as floats for the kernel's masks, exact in the core's dtype (2**24 classes in float32).
-        class_index = key_class.to(keys.dtype if key_class.numel() < 2**24 else torch.float64)
-        targets = Targets(query_labels=class_index[anchor_keys], key_labels=class_index, excluded=anchor_keys)
-        if reduction == "none":
-            rows = cross_entropy(queries, keys, scale, targets, chunk_size=chunk_size, reduction="none")
-            every_row = rows.new_zeros(local_count)
-            every_row[:query_count] = torch.where(is_anchor, rows, 0.0)
-            return every_row.view(features.shape[:-1])
-        row_weights = is_anchor.to(keys.dtype)
-        if weights is not None:
-            row_weights = row_weights * weights.repeat_interleave(views)[:query_count]
-        loss_sum = cross_entropy(queries, keys, scale, targets, chunk_size=chunk_size, row_weights=row_weights)
-        if weights is None:
-            denominator = has_positives.sum().to(loss_sum.dtype)
-        else:
-            denominator = (gathered.tensors[2].repeat_interleave(views) * has_positives).sum()
-        # W / A as a tensor (no host sync), in the core's dtype (A is exact there, unlike in
-        # bf16 above 256); A = 0 (or all weights 0) means the sum is 0 too.
-        positive = denominator > 0
-        return loss_sum * torch.where(positive, get_world_size(group) / torch.where(positive, denominator, 1.0), 0.0)
+        # One row per embedding, sample-major: the embedding (sample s, view v) is row s·V + v,
+        # of the rows and of its own block's columns; the labels travel with them.
+        embeddings = upcast(rearrange(features, "n ... d -> (n ...) d"))
+        embedding_labels = labels.repeat_interleave(views)
+        columns = meet(communication, layout, (embeddings, embedding_labels), per_sample=views)
+        keys, key_labels = columns.tensors
+        anchors = torch.arange(embeddings.shape[0], device=features.device)
+        pairs = Pairs(
+            SOFTMAX,
+            RowTargets(excluded=anchors, keys=embedding_labels),  # positives: the other rows of its label
+            columns.transport,
+            chunk or max(anchors.shape[0], 1),
+            column_keys=key_labels,
+            key_rows=columns.rows,
+        )
+        direction = Direction(embeddings, keys, scale, None, pairs)
+        anchor_weights = None if weights is None else weights.repeat_interleave(views)
+        value, has_positives = mean_over_directions([direction], weights=anchor_weights, per_row=reduction == "none")
+    if reduction == "none":
+        return value.view(features.shape[:-1])  # 0 for an anchor without positives
+    # The mean runs over the anchors with positives (weighted): a count only the blocks reveal.
+    counted = has_positives.to(value.dtype)
+    denominator = all_reduced((counted if anchor_weights is None else counted * anchor_weights).sum(), layout)
+    return mean_share(value, layout, denominator)
 
 
 def _check_labels(labels: object, batch_size: int) -> None:

@@ -1,0 +1,131 @@
+"""The options every loss takes, checked once: scale, temperature, chunk size, mode, reduction, weights.
+
+Each check raises ``ValueError``/``TypeError`` saying what was expected and what came; the losses
+run them through :func:`contrastive_dist._validation.collect`, so a bad option on one rank is
+raised on every rank by the agreement exchange.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Literal, cast, get_args
+
+import torch
+from torch import Tensor
+
+from contrastive_dist.losses._precision import compute_dtype
+
+__all__ = [
+    "Communication",
+    "Reduction",
+    "check_bool",
+    "check_chunk_size",
+    "check_communication",
+    "check_reduction",
+    "check_temperature",
+    "check_weight",
+    "positive_scalar",
+    "resolve_scale",
+    "scalar_tensor",
+]
+
+Communication = Literal["gather", "ring"]
+Reduction = Literal["mean", "none"]
+
+
+def check_communication(communication: object) -> Communication:
+    """Check ``communication`` is one of the allowed modes."""
+    allowed = get_args(Communication)
+    if communication not in allowed:
+        raise ValueError(f"communication must be one of {allowed}, got {communication!r}")
+    return cast(Communication, communication)
+
+
+def check_reduction(reduction: object, weight: object) -> Reduction:
+    """Check ``reduction`` is ``"mean"`` or ``"none"``, and that ``weight`` comes only with ``"mean"``."""
+    if reduction not in ("mean", "none"):
+        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+    if reduction == "none" and weight is not None:
+        raise ValueError(
+            "weight= applies to reduction='mean' only; with reduction='none' the per-row losses come back "
+            "unweighted and the caller weights and normalises them"
+        )
+    return cast(Reduction, reduction)
+
+
+def check_bool(name: str, value: object) -> bool:
+    """Check for a ``bool``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_temperature(temperature: object) -> float:
+    """Return ``temperature`` as a float after checking it is a real number > 0."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a real number, got {type(temperature).__name__}")
+    value = float(temperature)
+    if not value > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return value
+
+
+def check_chunk_size(chunk_size: object) -> int | None:
+    """Check that ``chunk_size`` is ``None`` or a positive int."""
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size must be None or a positive int, got {type(chunk_size).__name__}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size}")
+    return chunk_size
+
+
+def scalar_tensor(name: str, value: object, like: Tensor) -> Tensor:
+    """A one-element tensor (kept in the graph) or a real number as a 0-d tensor in ``like``'s compute dtype."""
+    dtype = compute_dtype(like.dtype)
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a scalar (one element), got shape {tuple(value.shape)}")
+        if not value.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor or a real number, got {value.dtype}")
+        return value.reshape(()).to(dtype=dtype, device=like.device)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a scalar tensor or a real number, got {type(value).__name__}")
+    return torch.tensor(float(value), dtype=dtype, device=like.device)
+
+
+def positive_scalar(name: str, value: object, like: Tensor) -> Tensor:
+    """:func:`scalar_tensor`, and > 0 when given as a number (a tensor is not synced to check it)."""
+    scale = scalar_tensor(name, value, like)
+    if not isinstance(value, Tensor) and not float(scale) > 0:
+        raise ValueError(f"{name} must be > 0 (it multiplies the similarities), got {value}")
+    return scale
+
+
+def resolve_scale(logit_scale: object, temperature: float, like: Tensor) -> Tensor:
+    """Return the similarity multiplier: ``logit_scale`` if given (already exponentiated), else ``1/temperature``."""
+    if logit_scale is None:
+        return torch.tensor(1.0 / temperature, dtype=compute_dtype(like.dtype), device=like.device)
+    return positive_scalar("logit_scale", logit_scale, like)
+
+
+def check_weight(weight: object, rows: int, like: Tensor) -> Tensor | None:
+    """Return ``weight`` detached, in ``like``'s compute dtype and device, after checking it.
+
+    Expected: a real tensor of shape ``(rows,)``, every entry finite and ≥ 0.
+    """
+    if weight is None:
+        return None
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"weight must be a torch.Tensor of shape ({rows},), got {type(weight).__name__}")
+    if weight.dtype == torch.bool or weight.is_complex():
+        raise TypeError(f"weight must be a real (float or integer) tensor, got {weight.dtype}")
+    if weight.shape != (rows,):
+        raise ValueError(f"weight must have one entry per local row, shape ({rows},), got {tuple(weight.shape)}")
+    values = weight.detach().to(dtype=compute_dtype(like.dtype), device=like.device)
+    for bad, what in ((~torch.isfinite(values), "finite"), (values < 0, ">= 0")):
+        if bool(bad.any()):
+            index = int(torch.nonzero(bad)[0, 0])
+            raise ValueError(f"weight must be {what}, got weight[{index}] = {values[index].item()}")
+    return values

@@ -1,0 +1,82 @@
+"""The sigmoid-pair family (SigLIP): every image–text pair is one independent binary term.
+
+A row's loss is a plain sum over its pairs, so its state across column blocks is one number::
+
+    ℓ_i = Σ_j softplus(−z_ij · l_ij),   l_ij = s · x_i·y_j + b,   z_ij = +1 for a positive pair, −1 otherwise
+
+Positive pairs are the row's own text (the diagonal of its own block) or, with keys and the
+``"positive"`` rule, every pair that shares a key; with the ``"mask"`` rule a pair that shares a
+key, other than the row's own, is no term at all. The gradient of ``Σ_i w_i ℓ_i`` with respect to
+the logits is ``−z_ij · σ(−z_ij · l_ij) · w_i``. Functions mirror :mod:`._softmax`, so that one
+driver runs both families over both transports.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from contrastive_dist.losses._targets import Targets
+
+__all__ = ["WIDTH", "block_state_", "empty_state", "finish", "gradient_", "has_positive", "merge_", "numerators_"]
+
+WIDTH = 1
+"""One number of state per row: its sum of pair terms so far."""
+
+
+def empty_state(rows: int, like: Tensor) -> Tensor:
+    """Rows that have met no pair yet: an empty sum. Shape: ``(rows, 1)``."""
+    return like.new_zeros((rows, WIDTH))
+
+
+def _flip_positives_(values: Tensor, targets: Targets, positive_mask: Tensor | None) -> Tensor:
+    """Negate the positive pairs' entries, in place (``−z`` is −1 there, +1 elsewhere)."""
+    if positive_mask is not None:
+        return values.mul_(1.0 - 2.0 * positive_mask)
+    if targets.positive is not None:
+        targets.positive.write_(values, -targets.positive.read(values))
+    return values
+
+
+def numerators_(logits: Tensor, state: Tensor | None, targets: Targets, positive_mask: Tensor | None) -> Tensor:
+    """The margins ``−z · l``, in place; pairs the ``"mask"`` rule removes get ``-inf`` (no term, no gradient)."""
+    margins = _flip_positives_(logits, targets, positive_mask)
+    targets.exclude_(margins)
+    return margins
+
+
+def block_state_(logits: Tensor, targets: Targets, positive_mask: Tensor | None) -> Tensor:
+    """The rows' sums over this block; ``logits`` become the margins (see :func:`numerators_`).
+
+    Shape:
+        logits: ``(c, m)``; output: ``(c, 1)``.
+    """
+    return F.softplus(numerators_(logits, None, targets, positive_mask)).sum(dim=1, keepdim=True)
+
+
+def merge_(state: Tensor, other: Tensor) -> None:
+    """``state`` ← the sum over both blocks."""
+    state += other
+
+
+def finish(state: Tensor) -> Tensor:
+    """Each row's loss: its sum. Shape: ``(c, 1)`` → ``(c,)``."""
+    return state[:, 0]
+
+
+def has_positive(state: Tensor) -> Tensor:
+    """Every row has a loss (its negatives' terms), with or without a positive pair."""
+    return torch.ones(state.shape[0], dtype=torch.bool, device=state.device)
+
+
+def gradient_(
+    margins: Tensor, state: Tensor, targets: Targets, positive_mask: Tensor | None, weights: Tensor
+) -> Tensor:
+    """``∂(Σ_i w_i ℓ_i) / ∂logits`` of one block, in place on its margins: ``−z · σ(−z · l) · w``.
+
+    Shape:
+        margins: ``(c, m)``; weights: ``(c,)``; output: ``(c, m)``.
+    """
+    # d softplus(m)/dl = σ(m) · dm/dl with m = −z·l: the positives' sign flips back.
+    return _flip_positives_(margins.sigmoid_(), targets, positive_mask).mul_(weights[:, None])

@@ -1,0 +1,171 @@
+"""Where a block's rows find their positives, which columns they leave out, and which pairs share a key.
+
+A loss says, for each of its rows, where its positive and its excluded column sit in *its own
+rank's* column block; a transport says where that block starts among the columns a rank meets
+(gather mode: at the rank's offset among the gathered columns; ring mode: at 0, on the hop that
+brings the rank's own block, and nowhere on the others). :meth:`RowTargets.block` combines both
+into the :class:`Targets` of one chunk of rows against one block. Keys (SupCon's labels, sample
+ids) travel with their columns like any other data, so pairs that share a key are found in every
+block.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["KeyRule", "Located", "RowTargets", "Targets"]
+
+KeyRule = Literal["positive", "mask"]
+"""What equal keys mean: the pair is a positive (labels; ``same_id="positive"``), or it is removed
+from the row's negatives (``same_id="mask"``; the row's own positive stays)."""
+
+
+class Located(NamedTuple):
+    """One column per row of a block (its positive, or the column it leaves out).
+
+    Attributes:
+        column: ``(c, 1)`` the column of each row (any valid column where the row has none here).
+        present: ``(c,)`` whether each row's column is in this block; ``None``: every row's is.
+    """
+
+    column: Tensor
+    present: Tensor | None = None
+
+    def read(self, values: Tensor) -> Tensor:
+        """``(c,)`` each row's entry at its column, 0 where it has none in this block."""
+        entries = values.gather(1, self.column).squeeze(1)
+        return entries if self.present is None else torch.where(self.present, entries, 0.0)
+
+    def write_(self, values: Tensor, entries: Tensor | float) -> None:
+        """Write ``entries`` at each row's column where it is in this block, in place."""
+        if self.present is None:
+            if isinstance(entries, Tensor):
+                values.scatter_(1, self.column, entries[:, None])
+            else:
+                values.scatter_(1, self.column, entries)
+            return
+        kept = values.gather(1, self.column).squeeze(1)
+        values.scatter_(1, self.column, torch.where(self.present, entries, kept)[:, None])
+
+    def presence(self, like: Tensor) -> Tensor:
+        """``(c,)`` 1 where the row's column is in this block, else 0, in ``like``'s dtype."""
+        if self.present is None:
+            return like.new_ones(self.column.shape[0])
+        return self.present.to(like.dtype)
+
+
+def partly_located(index: Tensor, columns: int) -> Located | None:
+    """The columns ``index`` (one per row) of a block of ``columns``: entries outside ``[0, columns)`` are absent."""
+    if columns == 0:
+        return None
+    present = (index >= 0) & (index < columns)
+    return Located(index.clamp(0, columns - 1)[:, None], present)
+
+
+class Targets(NamedTuple):
+    """The targets of ``c`` rows against one block of ``m`` columns.
+
+    Attributes:
+        positive: each row's single positive column, or ``None`` (none in this block, or positives by key).
+        excluded: a column each row leaves out (its own sample), or ``None``.
+        row_keys: ``(c,)`` the rows' keys, with ``column_keys`` ``(k,)`` for the block's first ``k``
+            columns (the others have no key: they share none with any row); ``None``: no keys.
+        column_keys: see ``row_keys``.
+        key_rule: what equal keys mean (:data:`KeyRule`).
+    """
+
+    positive: Located | None = None
+    excluded: Located | None = None
+    row_keys: Tensor | None = None
+    column_keys: Tensor | None = None
+    key_rule: KeyRule = "positive"
+
+    def _same_key(self, like: Tensor) -> Tensor | None:
+        """``(c, m)`` 1 where a row and a column share a key, in ``like``'s dtype."""
+        if self.row_keys is None or self.column_keys is None:
+            return None
+        same = like.new_zeros(like.shape)
+        keyed = self.column_keys.shape[0]
+        # Keys compared in the logits' dtype when they are (exact small integers): several times
+        # faster than comparing integers into a float mask on CPU.
+        torch.eq(self.row_keys[:, None], self.column_keys[None, :], out=same[:, :keyed])
+        return same
+
+    def positive_mask(self, like: Tensor) -> Tensor | None:
+        """``(c, m)`` 1 where a column is one of the row's positives by key (never an excluded one), else ``None``.
+
+        ``None`` means one positive column per row (:attr:`positive`) or, in this block, none.
+        """
+        if self.key_rule != "positive":
+            return None
+        mask = self._same_key(like)
+        if mask is not None and self.excluded is not None:
+            self.excluded.write_(mask, 0.0)
+        return mask
+
+    def exclude_(self, logits: Tensor) -> None:
+        """Set the excluded columns' logits to ``-inf``, in place.
+
+        The row's own column, and with the ``"mask"`` rule every column that shares its key except its positive.
+        """
+        if self.key_rule == "mask" and (same := self._same_key(logits)) is not None:
+            if self.positive is not None:
+                self.positive.write_(same, 0.0)
+            logits.masked_fill_(same.bool(), float("-inf"))
+        if self.excluded is not None:
+            self.excluded.write_(logits, float("-inf"))
+
+    def transposed(self, column_positive: Located | None) -> Targets:
+        """The targets of the block's columns against its rows (ring mode's column direction).
+
+        ``column_positive``: the row of each column's positive. Keys swap sides; a column excludes no row.
+        """
+        return Targets(column_positive, None, self.column_keys, self.row_keys, self.key_rule)
+
+
+class RowTargets(NamedTuple):
+    """A loss's rows, described against its own rank's column block.
+
+    Attributes:
+        positive: ``(n,)`` each row's single positive column in its own rank's block, or ``None``
+            (positives by key).
+        excluded: ``(n,)`` a column of its own rank's block each row leaves out, or ``None``.
+        keys: ``(n,)`` the rows' keys (labels, ids), or ``None``; the columns' keys travel with them.
+        key_rule: what equal keys mean.
+        column_positive: ``(m_r,)`` for ring mode's column direction: the row of each own column's
+            positive (InfoNCE: text ``j``'s image ``j``), or ``None``.
+    """
+
+    positive: Tensor | None = None
+    excluded: Tensor | None = None
+    keys: Tensor | None = None
+    key_rule: KeyRule = "positive"
+    column_positive: Tensor | None = None
+
+    def block(self, own_start: int | None, start: int, stop: int, column_keys: Tensor | None) -> Targets:
+        """The targets of rows ``start:stop`` against a block.
+
+        ``own_start``: where this rank's own columns start in the block (``None``: it is another rank's).
+        """
+
+        def located(index: Tensor | None) -> Located | None:
+            if index is None or own_start is None:
+                return None
+            return Located((index[start:stop] + own_start)[:, None])
+
+        keys = None if self.keys is None else self.keys[start:stop]
+        return Targets(located(self.positive), located(self.excluded), keys, column_keys, self.key_rule)
+
+    def columns(self, own_block: bool, start: int, rows: int, targets: Targets) -> Targets:
+        """The column direction of ``targets``, for ring mode's symmetric losses.
+
+        ``targets`` are a chunk of ``rows`` rows from ``start`` against a block's first columns; only
+        this rank's own block holds their positives.
+        """
+        positive = None
+        if self.column_positive is not None and own_block:
+            positive = partly_located(self.column_positive - start, rows)
+        return targets.transposed(positive)
