@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch._dynamo
-from test_losses_reference import KINDS, encode, make_problem, package_loss, value_and_grads
+from loss_references import KINDS, encode, make_problem, package_value, value_and_grads
 from torch import Tensor
 
 from contrastive_dist import DistributedInfoNCE, NTXentLoss, SigLIPLoss, SupConLoss
@@ -31,7 +31,7 @@ Case = tuple[str, int | None, tuple[int, int], str]
 
 
 def functional_step(kind: str, params: dict[str, Tensor], data: dict[str, Tensor], chunk: int | None, sizes):
-    return package_loss(kind, params, data, chunk, sizes)
+    return package_value(kind, "mean", params, data, chunk_size=chunk, sizes=sizes)
 
 
 def module_step(criterion: torch.nn.Module, params: dict[str, Tensor], data: dict[str, Tensor], sizes):

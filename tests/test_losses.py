@@ -9,16 +9,17 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from test_losses_reference import (
+from loss_references import (
     KINDS,
     assert_close,
-    clip_reference,
+    clip_rows,
+    encode,
     make_problem,
-    ntxent_reference,
-    package_loss,
-    reference_loss,
-    siglip_reference,
-    supcon_reference,
+    ntxent_rows,
+    package_value,
+    reference_value,
+    siglip_rows,
+    supcon_rows,
     value_and_grads,
 )
 from torch import Tensor
@@ -26,6 +27,7 @@ from torch import Tensor
 from contrastive_dist import (
     DistributedInfoNCE,
     NTXentLoss,
+    SharedNegatives,
     SigLIPLoss,
     SupConLoss,
     info_nce,
@@ -35,35 +37,41 @@ from contrastive_dist import (
     supcon,
 )
 
+COMMUNICATIONS = ("gather", "ring")
 
+
+@pytest.mark.parametrize("communication", COMMUNICATIONS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("total", [1, 2, 7])
-def test_matches_loop_reference(total: int, dtype: torch.dtype) -> None:
+def test_matches_loop_reference(total: int, dtype: torch.dtype, communication: str) -> None:
     for kind in KINDS:
         params, data = make_problem(seed=total, total=total, dtype=dtype)
         params64 = {name: p.detach().double().requires_grad_() for name, p in params.items()}
         data64 = {name: t.double() if t.is_floating_point() else t for name, t in data.items()}
-        expected, expected_grads = value_and_grads(reference_loss(kind, params64, data64), params64)
+        expected, expected_grads = value_and_grads(reference_value(kind, "mean", params64, data64), params64)
         for chunk_size in (None, 1, 3, 100):
-            loss, grads = value_and_grads(package_loss(kind, params, data, chunk_size, None), params)
+            loss = package_value(kind, "mean", params, data, chunk_size=chunk_size, communication=communication)
+            loss, grads = value_and_grads(loss, params)
             what = f"{kind} total={total} chunk={chunk_size}"
             assert_close(loss.double(), expected, dtype, what)
             for name in grads:
                 assert_close(grads[name].double(), expected_grads[name], dtype, f"{what} d/d{name}")
 
 
-def test_chunked_equals_unchunked_float32() -> None:
+@pytest.mark.parametrize("communication", COMMUNICATIONS)
+def test_chunked_equals_unchunked_float32(communication: str) -> None:
     generator = torch.Generator().manual_seed(0)
     images = F.normalize(torch.randn(37, 16, generator=generator), dim=-1).requires_grad_()
     texts = F.normalize(torch.randn(37, 16, generator=generator), dim=-1).requires_grad_()
     labels = torch.randint(0, 5, (37,), generator=generator)
     scale = torch.tensor(1 / 0.07, requires_grad=True)
     bias = torch.tensor(-3.0, requires_grad=True)
+    mode = {"communication": communication}
     losses = {
-        "clip": lambda chunk: info_nce(images, texts, scale, chunk_size=chunk),
-        "ntxent": lambda chunk: nt_xent(images, texts, chunk_size=chunk),
-        "siglip": lambda chunk: siglip(images, texts, scale, bias, chunk_size=chunk),
-        "supcon": lambda chunk: supcon(torch.stack([images, texts], 1), labels, chunk_size=chunk),
+        "clip": lambda chunk: info_nce(images, texts, scale, chunk_size=chunk, **mode),
+        "ntxent": lambda chunk: nt_xent(images, texts, chunk_size=chunk, **mode),
+        "siglip": lambda chunk: siglip(images, texts, scale, bias, chunk_size=chunk, **mode),
+        "supcon": lambda chunk: supcon(torch.stack([images, texts], 1), labels, chunk_size=chunk, **mode),
     }
     leaves = [images, texts, scale, bias]
     for kind, loss_fn in losses.items():
@@ -184,31 +192,36 @@ FEATURE_KINDS = ("clip", "clip_one_way", "ntxent", "siglip", "supcon")
 Inputs = list[Tensor]
 
 
-def _loss_on_features(kind: str, leaves: Inputs, labels: Tensor, chunk_size: int | None, reference: bool) -> Tensor:
+def _loss_on_features(
+    kind: str, leaves: Inputs, labels: Tensor, chunk_size: int | None, reference: bool, communication: str = "gather"
+) -> Tensor:
     """A loss of leaf ``(images, texts, scale, bias)``: the package's, or the float64 loop reference."""
     images, texts, scale, bias = leaves
     views = torch.stack([images, texts], dim=1)
     if reference:
+        rows, counted = supcon_rows(views, labels, scale)
         references: dict[str, Callable[[], Tensor]] = {
-            "clip": lambda: clip_reference(images, texts, scale),
-            "clip_one_way": lambda: clip_reference(images, texts, scale, symmetric=False),
-            "ntxent": lambda: ntxent_reference(images, texts, scale),
-            "siglip": lambda: siglip_reference(images, texts, scale, bias),
-            "supcon": lambda: supcon_reference(views, labels, scale),
+            "clip": lambda: clip_rows(images, texts, scale, None, True).mean(),
+            "clip_one_way": lambda: clip_rows(images, texts, scale, None, False).mean(),
+            "ntxent": lambda: ntxent_rows(images, texts, scale).mean(),
+            "siglip": lambda: siglip_rows(images, texts, scale, bias).mean(),
+            "supcon": lambda: (rows * counted).sum() / counted.sum(),
         }
         return references[kind]()
+    options = {"chunk_size": chunk_size, "communication": communication}
     losses: dict[str, Callable[[], Tensor]] = {
-        "clip": lambda: info_nce(images, texts, scale, chunk_size=chunk_size),
-        "clip_one_way": lambda: info_nce(images, texts, scale, symmetric=False, chunk_size=chunk_size),
-        "ntxent": lambda: nt_xent(images, texts, scale, chunk_size=chunk_size),
-        "siglip": lambda: siglip(images, texts, scale, bias, chunk_size=chunk_size),
-        "supcon": lambda: supcon(views, labels, scale, chunk_size=chunk_size),
+        "clip": lambda: info_nce(images, texts, scale, **options),
+        "clip_one_way": lambda: info_nce(images, texts, scale, symmetric=False, **options),
+        "ntxent": lambda: nt_xent(images, texts, scale, **options),
+        "siglip": lambda: siglip(images, texts, scale, bias, **options),
+        "supcon": lambda: supcon(views, labels, scale, **options),
     }
     return losses[kind]()
 
 
+@pytest.mark.parametrize("communication", COMMUNICATIONS)
 @pytest.mark.parametrize("precision", ["bfloat16", "float16", "float32_autocast_bf16"])
-def test_half_precision_and_autocast_match_float64_reference(precision: str) -> None:
+def test_half_precision_and_autocast_match_float64_reference(precision: str, communication: str) -> None:
     # The core runs in float32 with autocast off: the loss is as exact as in float32, and only
     # the gradients handed back to half-precision inputs are rounded to their dtype.
     dtype = getattr(torch, precision.split("_")[0])
@@ -234,8 +247,9 @@ def test_half_precision_and_autocast_match_float64_reference(precision: str) -> 
             leaves = [tensor.to(dtype).requires_grad_() for tensor in inputs]
             context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
             with context:
-                loss = _loss_on_features(kind, leaves, labels, chunk_size, reference=False)
-            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+                loss = _loss_on_features(kind, leaves, labels, chunk_size, reference=False, communication=communication)
+                # A backward run inside autocast too (as some training loops do) recomputes in float32.
+                grads = torch.autograd.grad(loss, leaves, allow_unused=True)
             what = f"{kind} {precision} chunk={chunk_size}"
             assert loss.dtype == torch.float32, what
             torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6, msg=what)
@@ -315,3 +329,61 @@ def test_gradients_when_only_some_inputs_require_them() -> None:
                         assert grad is None
                     else:
                         torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("communication", COMMUNICATIONS)
+def test_weights_are_scale_free_and_all_ones_give_the_unweighted_loss(communication: str) -> None:
+    params, data = make_problem(0, 6, torch.float64)
+    images, texts = encode(params, data)
+    ones, mode = torch.ones(6, dtype=torch.float64), {"communication": communication}
+    pairs = [
+        (info_nce(images, texts, **mode), info_nce(images, texts, weight=ones, **mode)),
+        (nt_xent(images, texts, **mode), nt_xent(images, texts, weight=ones, **mode)),
+        (siglip(images, texts, 3.0, -1.0, **mode), siglip(images, texts, 3.0, -1.0, weight=ones, chunk_size=4, **mode)),
+        (supcon(images, data["labels"], **mode), supcon(images, data["labels"], weight=ones, **mode)),
+    ]
+    for plain, weighted in pairs:
+        assert_close(weighted, plain, torch.float64, "weight=1")
+    leaf = images.detach().requires_grad_()
+    five_times = info_nce(leaf, texts, weight=5 * data["weight"], **mode)
+    assert_close(five_times, info_nce(leaf, texts, weight=data["weight"], **mode), torch.float64, "5w")
+    zero = info_nce(leaf, texts, weight=torch.zeros(6, dtype=torch.float64), **mode)
+    (grad,) = torch.autograd.grad(zero, leaf)
+    assert zero.item() == 0.0 and torch.equal(grad, torch.zeros_like(grad))
+
+
+@pytest.mark.parametrize("communication", COMMUNICATIONS)
+def test_half_precision_features_with_float32_queue_or_own_negatives(communication: str) -> None:
+    # bf16 features with a float32/float64 queue or bf16 own negatives: the columns meet in float32.
+    generator = torch.Generator().manual_seed(5)
+    images, texts, own = (F.normalize(torch.randn(n, 8, generator=generator), dim=-1).bfloat16() for n in (6, 6, 4))
+    scale = torch.tensor(5.0, dtype=torch.float64)
+    for queue_dtype in (torch.float32, torch.float64):
+        queue = F.normalize(torch.randn(5, 8, generator=generator), dim=-1).to(queue_dtype)
+        for negatives, columns in ((SharedNegatives(queue), queue), (own.requires_grad_(), own)):
+            expected = clip_rows(images.double(), texts.double(), scale, columns.detach().double(), True).mean()
+            for chunk_size in (None, 4):
+                options = {"chunk_size": chunk_size, "communication": communication}
+                loss = info_nce(images, texts, 5.0, negatives=negatives, **options)  # type: ignore[arg-type]
+                assert loss.dtype == torch.float32
+                torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=0)
+
+
+def test_modules_hold_the_communication_mode_and_reject_unknown_ones() -> None:
+    generator = torch.Generator().manual_seed(0)
+    images, texts = torch.randn(5, 8, generator=generator), torch.randn(5, 8, generator=generator)
+    labels, scale, bias = torch.tensor([0, 1, 0, 1, 2]), torch.tensor(5.0), torch.tensor(-2.0)
+    pairs = [
+        (DistributedInfoNCE(communication="ring", chunk_size=2)(images, texts, scale), info_nce(images, texts, scale)),
+        (NTXentLoss(communication="ring")(images, texts), nt_xent(images, texts)),
+        (SigLIPLoss(communication="ring")(images, texts, scale, bias), siglip(images, texts, scale, bias)),
+        (SupConLoss(communication="ring")(images, labels), supcon(images, labels)),
+    ]
+    for ring_value, gather_value in pairs:
+        torch.testing.assert_close(ring_value, gather_value)
+    assert "communication='ring'" in repr(SigLIPLoss(communication="ring"))
+    for module in (DistributedInfoNCE, NTXentLoss, SigLIPLoss, SupConLoss):
+        with pytest.raises(ValueError, match=r"communication must be one of \('gather', 'ring'\), got 'all'"):
+            module(communication="all")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="communication must be one of"):
+        siglip(images, texts, scale, bias, communication="Ring")  # type: ignore[arg-type]

@@ -296,8 +296,9 @@ def _raise_everywhere(
     elif mismatch["sizes"] and rows is not None and sizes is not None:
         headline = f"{operation}: sizes={tuple(sizes)} was given, but the ranks hold {rows} rows. Inputs per rank:"
     elif mismatch["sizes"]:
+        why = f" (checked because {DEBUG_VARIABLE}=1)" if operation == "all_gather" else ""
         headline = (f"{operation}: sizes= must be given on every rank or on none, be the same sequence on every "
-                    "rank, and equal each rank's rows. Inputs per rank:")
+                    f"rank, and equal each rank's rows{why}. Inputs per rank:")
     else:
         headline = (f"{operation}: the ranks' inputs do not agree: the dtype, every dimension except the "
                     "batch, and whether autograd tracks them must match on all ranks. Inputs per rank:")

@@ -28,6 +28,7 @@ from torch import Tensor
 from contrastive_dist.engine._ring import Block
 from contrastive_dist.losses import _sigmoid, _softmax
 from contrastive_dist.losses._columns import OneBlock, Transport
+from contrastive_dist.losses._precision import full_precision
 from contrastive_dist.losses._targets import RowTargets, Targets
 
 __all__ = [
@@ -103,7 +104,9 @@ Backward = Callable[..., tuple[Tensor | None, ...]]
 
 
 def first_order_only(backward: Backward) -> Backward:
-    """Mark a kernel's ``backward`` as not differentiable: ``create_graph=True`` raises instead of being wrong.
+    """Mark a kernel's ``backward`` as not differentiable, and run it with autocast off.
+
+    ``create_graph=True`` raises instead of being wrong.
 
     ``once_differentiable`` alone stays silent when the incoming gradient is a constant (the usual
     ``grad(loss, x, create_graph=True)``): the second derivative would quietly miss this term.
@@ -117,7 +120,9 @@ def first_order_only(backward: Backward) -> Backward:
                 "double backward (create_graph=True) through the contrastive losses' kernels is not "
                 "supported: their gradients are formed block by block (once_differentiable)"
             )
-        return once(ctx, *grad_outputs)
+        # A backward called inside torch.autocast recomputes in the forward's dtype, not autocast's.
+        with full_precision(grad_outputs[0].device):
+            return once(ctx, *grad_outputs)
 
     return checked
 

@@ -1,0 +1,215 @@
+"""Plain float64 loop references of every loss, a shared problem (encoder + global batch), and the package's call.
+
+Each reference gives the per-row losses ``ℓ_i`` of the whole global batch, written as loops over
+rows and columns straight from the definitions; the mean, the weighted mean ``Σ w_i ℓ_i / Σ w_i``
+and SupCon's mean over anchors with positives are derived from them in one place. Imported by the
+loss tests and, through pickled functions, by their gloo workers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from contrastive_dist import SharedNegatives, info_nce, nt_xent, siglip, supcon
+
+KINDS = ("clip", "clip_one_way", "ntxent", "ntxent_scale", "siglip", "supcon", "supcon_views", "supcon_views_scale")
+"""``*_scale``: the loss gets the learnable ``logit_scale`` instead of its fixed temperature."""
+MODES = ("mean", "weighted", "none")
+"""``weighted``: ``weight=``; ``none``: ``reduction="none"``, differentiated through ``Σ u_i ℓ_i`` (random ``u``)."""
+TEMPERATURE = {"ntxent": 0.5, "supcon": 0.3}
+
+
+def clip_rows(images: Tensor, texts: Tensor, scale: Tensor, negatives: Tensor | None, symmetric: bool) -> Tensor:
+    columns = texts if negatives is None else torch.cat([texts, negatives])
+    rows = []
+    for i in range(images.shape[0]):
+        image_to_text = torch.logsumexp(torch.stack([scale * images[i] @ c for c in columns]), 0)
+        image_to_text = image_to_text - scale * images[i] @ texts[i]
+        if symmetric:
+            text_to_image = torch.logsumexp(torch.stack([scale * texts[i] @ m for m in images]), 0)
+            rows.append((image_to_text + text_to_image - scale * texts[i] @ images[i]) / 2)
+        else:
+            rows.append(image_to_text)
+    return torch.stack(rows) if rows else images.sum(1) * 0
+
+
+def ntxent_rows(z1: Tensor, z2: Tensor, scale: Tensor | float) -> Tensor:
+    z = torch.cat([F.normalize(z1, dim=-1), F.normalize(z2, dim=-1)])
+    count = z1.shape[0]
+    anchors = []
+    for a in range(2 * count):
+        positive = (a + count) % (2 * count)
+        logits = torch.stack([scale * z[a] @ z[j] for j in range(2 * count) if j != a])
+        anchors.append(torch.logsumexp(logits, 0) - scale * z[a] @ z[positive])
+    return torch.stack([(anchors[i] + anchors[i + count]) / 2 for i in range(count)]) if count else z1.sum(1) * 0
+
+
+def siglip_rows(images: Tensor, texts: Tensor, scale: Tensor, bias: Tensor) -> Tensor:
+    rows = []
+    for i in range(images.shape[0]):
+        signs = [1 if i == j else -1 for j in range(texts.shape[0])]
+        terms = [-F.logsigmoid(sign * (scale * images[i] @ text + bias)) for sign, text in zip(signs, texts)]
+        rows.append(torch.stack(terms).sum())
+    return torch.stack(rows) if rows else images.sum(1) * 0
+
+
+def supcon_rows(features: Tensor, labels: Tensor, scale: Tensor | float) -> tuple[Tensor, Tensor]:
+    """Per-anchor losses shaped like ``features[..., 0]`` (0 without positives), and which anchors have positives."""
+    flat = features.reshape(-1, features.shape[-1])
+    views = 1 if features.ndim == 2 else features.shape[1]
+    flat_labels = [int(label) for label in labels for _ in range(views)]
+    rows, counted = [], []
+    for a in range(flat.shape[0]):
+        positives = [p for p in range(flat.shape[0]) if p != a and flat_labels[p] == flat_labels[a]]
+        counted.append(bool(positives))
+        if not positives:
+            rows.append(flat[a].sum() * 0)
+            continue
+        lse = torch.logsumexp(torch.stack([scale * flat[a] @ flat[j] for j in range(flat.shape[0]) if j != a]), 0)
+        rows.append(sum(lse - scale * flat[a] @ flat[p] for p in positives) / len(positives))
+    shape = features.shape[:-1]
+    if not rows:
+        return features.sum(-1) * 0, torch.zeros(shape, dtype=torch.bool)
+    return torch.stack(rows).reshape(shape), torch.tensor(counted).reshape(shape)
+
+
+def make_problem(seed: int, total: int, dtype: torch.dtype, negatives: int = 0) -> tuple[dict[str, Tensor], dict]:
+    """Encoder parameters (leaf tensors) and a global batch, the same on every process for a seed."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype)
+
+    params = {
+        "w_image": draw(6, 5),
+        "w_text": draw(4, 5),
+        "log_scale": torch.tensor(math.log(1 / 0.2), dtype=dtype),
+        "bias": torch.tensor(-1.5, dtype=dtype),
+    }
+    for param in params.values():
+        param.requires_grad_()
+    labels = torch.randint(0, 3, (total,), generator=generator)
+    if total:
+        labels[0] = 99  # a class seen once: single-view SupCon has an anchor without positives
+    weight = torch.rand(total, generator=generator, dtype=torch.float64).to(dtype) * 2
+    weight[::3] = 0.0  # zero weights are allowed
+    data = {
+        "x_image": draw(total, 6),
+        "x_text": draw(total, 4),
+        "labels": labels,
+        "weight": weight,
+        "upstream": draw(total, 2),
+        "x_negative": draw(negatives, 4),
+        "shared": F.normalize(draw(4, 5), dim=-1),
+    }
+    return params, data
+
+
+def encode(params: dict[str, Tensor], data: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    images = F.normalize(data["x_image"] @ params["w_image"], dim=-1)
+    return images, F.normalize(data["x_text"] @ params["w_text"], dim=-1)
+
+
+def own_negatives(params: dict[str, Tensor], x_negative: Tensor) -> Tensor:
+    return F.normalize(x_negative @ params["w_text"], dim=-1)
+
+
+def _views(kind: str, images: Tensor, texts: Tensor) -> Tensor:
+    return images if kind == "supcon" else torch.stack([images, texts], dim=1)
+
+
+def _scale(kind: str, params: dict[str, Tensor]) -> Tensor | None:
+    """The loss's ``logit_scale`` argument: the learnable one, or ``None`` for NT-Xent/SupCon's fixed temperature."""
+    if kind.startswith(("ntxent", "supcon")) and not kind.endswith("_scale"):
+        return None
+    return params["log_scale"].exp()
+
+
+def reference_rows(kind: str, params: dict[str, Tensor], data: dict[str, Tensor], negatives: Tensor | None) -> Tensor:
+    """``ℓ_i`` of every row of the global batch (SupCon: per anchor, like ``features[..., 0]``)."""
+    images, texts = encode(params, data)
+    scale = _scale(kind, params)
+    family = kind.split("_")[0]
+    fixed = 1 / TEMPERATURE.get(family, 1.0) if scale is None else scale
+    if family == "clip":
+        return clip_rows(images, texts, fixed, negatives, symmetric=kind == "clip")
+    if family == "ntxent":
+        return ntxent_rows(data["x_image"] @ params["w_image"], data["x_text"] @ params["w_text"], fixed)
+    if family == "siglip":
+        return siglip_rows(images, texts, fixed, params["bias"])
+    return supcon_rows(_views(kind, images, texts), data["labels"], fixed)[0]
+
+
+def reference_value(kind: str, mode: str, params: dict[str, Tensor], data: dict[str, Tensor],
+                    negatives: Tensor | None = None) -> Tensor:
+    """The global loss (``mean``/``weighted``) or the rows (``none``), from :func:`reference_rows`."""
+    rows = reference_rows(kind, params, data, negatives)
+    if mode == "none":
+        return rows
+    weights = data["weight"] if mode == "weighted" else torch.ones_like(data["weight"])
+    weights = weights.to(rows.dtype)
+    if kind.startswith("supcon"):
+        # One weight per sample, shared by its views; anchors without positives do not count.
+        images, texts = encode(params, data)
+        _, counted = supcon_rows(_views(kind, images, texts), data["labels"], 1.0)
+        weights = (weights[:, None].expand_as(rows) if rows.ndim == 2 else weights) * counted
+    total = weights.sum()
+    return (rows * weights).sum() / total if total > 0 else rows.sum() * 0
+
+
+def package_value(
+    kind: str,
+    mode: str,
+    params: dict[str, Tensor],
+    data: dict[str, Tensor],
+    *,
+    chunk_size: int | None = None,
+    sizes: tuple[int, ...] | None = None,
+    communication: str = "gather",
+    negatives: Tensor | SharedNegatives | None = None,
+    group: ProcessGroup | None = None,
+) -> Tensor:
+    """This rank's value of the package's loss on its local ``data`` (a share of the mean, or its rows)."""
+    images, texts = encode(params, data)
+    scale = _scale(kind, params)
+    options: dict[str, Any] = {"chunk_size": chunk_size, "sizes": sizes, "communication": communication, "group": group}
+    options["reduction"] = "none" if mode == "none" else "mean"
+    if mode == "weighted":
+        options["weight"] = data["weight"]
+    family = kind.split("_")[0]
+    if family == "clip":
+        return info_nce(images, texts, scale, symmetric=kind == "clip", negatives=negatives, **options)
+    if family == "ntxent":
+        raw_1, raw_2 = data["x_image"] @ params["w_image"], data["x_text"] @ params["w_text"]
+        return nt_xent(raw_1, raw_2, scale, temperature=TEMPERATURE["ntxent"], **options)
+    if family == "siglip":
+        return siglip(images, texts, scale, params["bias"], **options)
+    return supcon(_views(kind, images, texts), data["labels"], scale, temperature=TEMPERATURE["supcon"], **options)
+
+
+def objective(value: Tensor, mode: str, upstream: Tensor) -> Tensor:
+    """What the gradients are taken of: the loss, or ``Σ u_i ℓ_i`` for per-row losses (``u`` shaped like the rows)."""
+    if mode != "none":
+        return value
+    return (value * (upstream if value.ndim == 2 else upstream[:, 0])).sum()
+
+
+def value_and_grads(loss: Tensor, inputs: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    grads = torch.autograd.grad(loss, list(inputs.values()), allow_unused=True)
+    return loss.detach(), {
+        name: torch.zeros_like(tensor) if grad is None else grad
+        for (name, tensor), grad in zip(inputs.items(), grads, strict=True)
+    }
+
+
+def assert_close(actual: Tensor, expected: Tensor, dtype: torch.dtype, what: str) -> None:
+    if dtype == torch.float64:
+        torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10, msg=lambda m: f"{what}: {m}")
+    else:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
