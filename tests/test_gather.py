@@ -394,3 +394,25 @@ def second_derivative(rank: int, world_size: int) -> str:
 def test_second_derivative_raises_instead_of_being_wrong(pool):
     messages = pool(2).run(second_derivative)
     assert all("once_differentiable" in message or "double backward" in message.lower() for message in messages)
+
+
+def test_moved_public_modules_keep_their_old_import_paths() -> None:
+    import importlib
+
+    import contrastive_dist
+
+    moved = {
+        "collate": "data.collate",
+        "collectives": "engine.collectives",
+        "gather": "engine.gather",
+        "norm": "nn.norm",
+        "sampler": "data.sampler",
+        "shards": "data.shards",
+        "streaming": "data.streaming",
+    }
+    for old, new in moved.items():
+        module = importlib.import_module(f"contrastive_dist.{old}")
+        assert module is importlib.import_module(f"contrastive_dist.{new}"), old
+    from contrastive_dist.sampler import DistributedBatchSampler
+
+    assert DistributedBatchSampler is contrastive_dist.DistributedBatchSampler

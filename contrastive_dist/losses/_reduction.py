@@ -10,7 +10,8 @@ one scalar all-reduce.
 
 from __future__ import annotations
 
-from typing import cast
+from collections.abc import Sequence
+from typing import NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -18,8 +19,12 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist.engine._agreement import Layout
+from contrastive_dist.losses._columns import OneBlock
+from contrastive_dist.losses._fused import weighted_pair_sum
+from contrastive_dist.losses._kernel import Pairs
+from contrastive_dist.losses._recomputed import pair_losses
 
-__all__ = ["all_reduced", "mean_share", "weight_total"]
+__all__ = ["Direction", "all_reduced", "mean_over_directions", "mean_share", "weight_total"]
 
 
 def weight_total(weights: Tensor | None) -> Tensor | None:
@@ -62,3 +67,43 @@ def all_reduced(value: Tensor, layout: Layout) -> Tensor:
     summed = value.clone()
     dist.all_reduce(summed, group=layout.group)
     return summed
+
+
+class Direction(NamedTuple):
+    """One kernel call of a loss: its rows (queries) against their columns (keys)."""
+
+    queries: Tensor
+    keys: Tensor
+    scale: Tensor
+    bias: Tensor | None
+    pairs: Pairs
+
+
+def mean_over_directions(
+    directions: Sequence[Direction], *, weights: Tensor | None, per_row: bool
+) -> tuple[Tensor, Tensor]:
+    """A loss whose row loss is the mean of its directions': ``Σ_i w_i ℓ_i`` (or the ``ℓ_i`` with ``per_row``).
+
+    The directions of a symmetric loss are gather mode's two kernel calls (image→text, text→image)
+    or ring mode's one call whose columns have losses of their own (:attr:`Pairs.columns`). Gather
+    mode's weighted sum forms its gradients in forward (:func:`weighted_pair_sum`); every other case
+    recomputes in backward (:func:`pair_losses`).
+
+    Returns:
+        The weighted sum ``()`` or the rows ``(n,)``, and whether each row has a loss ``(n,)`` (first direction).
+    """
+    parts: list[Tensor] = []
+    has_positive: Tensor | None = None
+    for direction in directions:
+        if not per_row and isinstance(direction.pairs.transport, OneBlock):
+            total, has = weighted_pair_sum(*direction, weights)
+            parts.append(total)
+        else:
+            rows, columns, has = pair_losses(*direction)
+            parts += [rows] if direction.pairs.columns is None else [rows, columns]
+        has_positive = has if has_positive is None else has_positive
+    value = parts[0] if len(parts) == 1 else sum(parts[1:], parts[0]) * (1.0 / len(parts))
+    if not per_row and value.ndim:
+        value = value.sum() if weights is None else value @ weights
+    assert has_positive is not None
+    return value, has_positive

@@ -12,7 +12,7 @@ from torch.distributed import ProcessGroup
 from contrastive_dist._validation import check_pair, collect
 from contrastive_dist.engine._agreement import agree
 from contrastive_dist.losses._columns import meet
-from contrastive_dist.losses._kernel import SIGMOID, Direction, Pairs, mean_over_directions
+from contrastive_dist.losses._kernel import SIGMOID, Pairs
 from contrastive_dist.losses._options import (
     Communication,
     Reduction,
@@ -24,7 +24,7 @@ from contrastive_dist.losses._options import (
     scalar_tensor,
 )
 from contrastive_dist.losses._precision import full_precision, upcast
-from contrastive_dist.losses._reduction import mean_share, weight_total
+from contrastive_dist.losses._reduction import Direction, mean_over_directions, mean_share, weight_total
 from contrastive_dist.losses._targets import RowTargets
 
 __all__ = ["SigLIPLoss", "siglip"]

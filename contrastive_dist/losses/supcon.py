@@ -13,7 +13,7 @@ from torch.distributed import ProcessGroup
 from contrastive_dist._validation import check_features, collect
 from contrastive_dist.engine._agreement import agree
 from contrastive_dist.losses._columns import meet
-from contrastive_dist.losses._kernel import SOFTMAX, Direction, Pairs, mean_over_directions
+from contrastive_dist.losses._kernel import SOFTMAX, Pairs
 from contrastive_dist.losses._module import TemperatureLoss
 from contrastive_dist.losses._options import (
     Communication,
@@ -26,7 +26,7 @@ from contrastive_dist.losses._options import (
     resolve_scale,
 )
 from contrastive_dist.losses._precision import full_precision, upcast
-from contrastive_dist.losses._reduction import all_reduced, mean_share
+from contrastive_dist.losses._reduction import Direction, all_reduced, mean_over_directions, mean_share
 from contrastive_dist.losses._targets import RowTargets
 
 __all__ = ["SupConLoss", "supcon"]
