@@ -2,8 +2,11 @@
 
 Methods (all interleaved in one run, each iteration timed as the slowest rank's time):
 
-* ``contrastive_dist``            : ``all_gather(x)`` (size exchange + one collective each way)
-* ``contrastive_dist sizes=``     : ``all_gather(x, sizes=...)`` (no size exchange)
+* ``contrastive_dist``            : ``all_gather(x)`` (the agreement exchange + one collective each way)
+* ``contrastive_dist sizes=``     : ``all_gather(x, sizes=...)`` (no exchange; statuses ride on the data)
+* ``raw collectives``             : the transport alone, no autograd: the collectives ``all_gather`` runs
+                                    (``_wire.gather_rows`` forward, ``_wire.reduce_scatter_rows`` of a
+                                    fresh all-ones gradient backward, as ``.sum().backward()`` makes)
 * ``torch.distributed.nn``        : ``torch.distributed.nn.functional.all_gather`` + ``torch.cat``
 * ``functional collectives``      : ``_functional_collectives.all_gather_single_autograd`` (equal sizes only)
 * ``pad-to-max``                  : exchange sizes, pad to the largest, equal all-gather, drop the padding;
@@ -28,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from contrastive_dist import all_gather
+from contrastive_dist.engine._wire import gather_rows, reduce_scatter_rows
 from contrastive_dist.testing import run_distributed
 
 Method = Callable[[Tensor, tuple[int, ...]], Tensor]
@@ -39,6 +43,23 @@ def ours(x: Tensor, sizes: tuple[int, ...]) -> Tensor:
 
 def ours_with_sizes(x: Tensor, sizes: tuple[int, ...]) -> Tensor:
     return all_gather(x, sizes=sizes).tensor
+
+
+class _Raw(torch.autograd.Function):
+    """The transport's collectives and nothing else, timed like the others (``.sum().backward()``)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, sizes: tuple[int, ...]) -> Tensor:  # type: ignore[override]
+        ctx.sizes = sizes
+        return gather_rows(x.detach(), sizes, dist.get_rank(), None)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return reduce_scatter_rows(torch.ones(grad.shape, dtype=grad.dtype), ctx.sizes, dist.get_rank(), None), None
+
+
+def raw_collectives(x: Tensor, sizes: tuple[int, ...]) -> Tensor:
+    return _Raw.apply(x, sizes)
 
 
 def torch_nn(x: Tensor, sizes: tuple[int, ...]) -> Tensor:
@@ -93,6 +114,7 @@ def pad_to_max(x: Tensor, sizes: tuple[int, ...]) -> Tensor:
 METHODS: dict[str, Method] = {
     "contrastive_dist": ours,
     "contrastive_dist sizes=": ours_with_sizes,
+    "raw collectives": raw_collectives,
     "torch.distributed.nn": torch_nn,
     "functional collectives": functional_collectives,
     "pad-to-max": pad_to_max,
@@ -133,17 +155,17 @@ def main() -> None:
     configs: list[tuple[int, ...]] = (
         [(64, 64), (96, 64, 32, 0)]
         if args.quick
-        else [(1024, 1024), (2048, 2048), (1024,) * 4, (2048,) * 4, (2048, 1536, 1024, 512)]
+        else [(1024, 1024), (2048, 2048), (2048, 1024), (1024,) * 4, (2048,) * 4, (2048, 1536, 1024, 512)]
     )
-    print(f"| sizes (rows × {dim} fp32) | method | fwd+bwd ms (median) | ours ÷ this | padding bytes |")
-    print("|---|---|---:|---:|---:|")
+    print(f"| sizes (rows × {dim} fp32) | method | fwd+bwd ms (median) | ours ÷ this | this ÷ raw | padding bytes |")
+    print("|---|---|---:|---:|---:|---:|")
     for sizes in configs:
         results = run_distributed(_measure, len(sizes), sizes, dim, 5 if args.quick else args.iters, timeout=600)
         medians = results[0]
-        base = medians["contrastive_dist"]
+        base, raw = medians["contrastive_dist"], medians["raw collectives"]
         for name, value in medians.items():
             pad = padding_bytes(sizes, dim) if name == "pad-to-max" else 0
-            print(f"| {list(sizes)} | {name} | {value:.2f} | {base / value:.2f} | {pad} |")
+            print(f"| {list(sizes)} | {name} | {value:.2f} | {base / value:.2f} | {value / raw:.2f} | {pad} |")
 
 
 if __name__ == "__main__":

@@ -2,12 +2,13 @@
 
 A mismatch that reaches a transport hangs NCCL and aborts gloo (SIGABRT). So a caller first
 checks its own inputs and collects a problem (or none), then calls :func:`agree` once. It shares
-one row of seven int64 per rank in a single small all-gather:
+one row of eight int64 per rank in a single small all-gather:
 
-    status, rows, extra rows, signature, options digest, given-sizes digest, total
+    status, rows, extra rows, flags, signature, options digest, given-sizes digest, total
 
 — whether this rank found its input invalid; its row count (and a second count, e.g. its own
-negatives); a digest of the dtype, trailing shape and gradient tracking of every tensor it
+negatives); a few bits of facts about its input that every rank needs (e.g. whether its keys are
+small integers); a digest of the dtype, trailing shape and gradient tracking of every tensor it
 passes; a digest of the call's options (temperature, chunk size, communication, which optional
 tensors are passed, ...); a digest of the ``sizes=`` it was given; and one float summed over the
 ranks (a weight total), carried as its float64 bits. Every rank then holds the same table and
@@ -45,7 +46,8 @@ __all__ = ["DEBUG_VARIABLE", "Layout", "Problem", "agree", "debug_checks", "desc
 
 _OK, _PROBLEM = 0, 1
 _NO_SIZES = 0
-_FIELDS = 7
+_STATUS, _ROWS, _EXTRA, _FLAGS, _SIGNATURE, _OPTIONS, _SIZES, _TOTAL = range(8)
+_FIELDS = 8
 
 DEBUG_VARIABLE = "CONTRASTIVE_DIST_DEBUG"
 """Environment variable: ``1`` verifies caller-given ``sizes=`` with one extra exchange; ``0`` / unset: off."""
@@ -60,6 +62,7 @@ class Layout(NamedTuple):
         extra_sizes: every rank's second count (e.g. own negatives); zeros when not used.
         total: the sum over ranks of each rank's ``total`` (a 0-d tensor), or ``None``.
         group: the process group (``None``: the world).
+        flags: every rank's ``flags``; empty under ``torch.compile`` (nothing was exchanged).
     """
 
     rank: int
@@ -68,6 +71,11 @@ class Layout(NamedTuple):
     extra_sizes: tuple[int, ...]
     total: Tensor | None
     group: ProcessGroup | None
+    flags: tuple[int, ...] = ()
+
+    def every_rank_has(self, flag: int) -> bool:
+        """Whether every rank set ``flag`` (``False`` when the flags are unknown)."""
+        return bool(self.flags) and all(flags & flag for flags in self.flags)
 
     @property
     def offset(self) -> int:
@@ -173,6 +181,7 @@ def agree(
     sizes: Sequence[int] | None = None,
     extra: int = 0,
     total: Tensor | None = None,
+    flags: int = 0,
 ) -> Layout:
     """Exchange once; return the :class:`Layout` every rank agrees on, or raise the same error on every rank.
 
@@ -186,15 +195,18 @@ def agree(
         sizes: the caller's ``sizes=``, checked to be the same on every rank and equal to the rows.
         extra: this rank's second count (e.g. its own negatives).
         total: a 0-d tensor to sum over the ranks (e.g. a weight total), or ``None``.
+        flags: bits this rank tells every rank (see :meth:`Layout.every_rank_has`).
     """
     world_size, rank = get_world_size(group), get_rank(group)
     rows = cast(Tensor, tensors[0]).shape[dim] if problem is None else 0
     if world_size == 1 or torch.compiler.is_compiling():
-        return _agree_locally(problem, operation, rows, extra, sizes, total, group, world_size, rank)
+        layout = _agree_locally(problem, operation, rows, extra, sizes, total, group, world_size, rank)
+        return layout._replace(flags=(flags,)) if world_size == 1 else layout
     local = [
         _PROBLEM if problem is not None else _OK,
         rows,
         extra,
+        flags,
         signature(cast(Sequence[Tensor], tensors), dim) if problem is None else 0,
         _digest(sorted((options or {}).items())),
         _NO_SIZES if sizes is None else _digest(tuple(sizes)),
@@ -203,24 +215,26 @@ def agree(
     table = torch.empty((world_size, _FIELDS), dtype=torch.int64, device=_device(tensors, group))
     all_gather_single(table, torch.tensor([local], dtype=torch.int64, device=table.device), group=group)
     everyone = table.tolist()
-    agreed_sizes = tuple(int(row[1]) for row in everyone)
+    agreed_sizes = tuple(int(row[_ROWS]) for row in everyone)
     # Every rank decides alike: the same table everywhere, and equal digests mean equal given sizes.
+    given_sizes = {row[_SIZES] for row in everyone}
     mismatch = {
-        "problem": any(row[0] != _OK for row in everyone),
-        "options": len({row[4] for row in everyone}) > 1,
-        "inputs": len({row[3] for row in everyone}) > 1,
-        "sizes": len({row[5] for row in everyone}) > 1 or (sizes is not None and tuple(sizes) != agreed_sizes),
+        "problem": any(row[_STATUS] != _OK for row in everyone),
+        "options": len({row[_OPTIONS] for row in everyone}) > 1,
+        "inputs": len({row[_SIGNATURE] for row in everyone}) > 1,
+        "sizes": len(given_sizes) > 1 or (sizes is not None and tuple(sizes) != agreed_sizes),
     }
     if any(mismatch.values()):
-        same_sizes_given = len({row[5] for row in everyone}) == 1
+        same_sizes_given = len(given_sizes) == 1
         _raise_everywhere(tensors, problem, options, sizes, group, world_size, operation, mismatch,
                           agreed_sizes if same_sizes_given else None)
     agreed_total = None
     if total is not None:
-        agreed_total = torch.tensor(sum(_bits_float(int(row[6])) for row in everyone), dtype=total.dtype,
-                                    device=total.device)
-    extra_sizes = tuple(int(row[2]) for row in everyone)
-    return Layout(rank, world_size, agreed_sizes, extra_sizes, agreed_total, group)
+        summed = sum(_bits_float(int(row[_TOTAL])) for row in everyone)
+        agreed_total = torch.tensor(summed, dtype=total.dtype, device=total.device)
+    extra_sizes = tuple(int(row[_EXTRA]) for row in everyone)
+    agreed_flags = tuple(int(row[_FLAGS]) for row in everyone)
+    return Layout(rank, world_size, agreed_sizes, extra_sizes, agreed_total, group, agreed_flags)
 
 
 def _agree_locally(

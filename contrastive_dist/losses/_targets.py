@@ -16,7 +16,27 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["KeyRule", "Located", "RowTargets", "Targets"]
+__all__ = ["SMALL_KEYS", "KeyRule", "Located", "RowTargets", "Targets", "comparable_keys", "small_keys_flag"]
+
+SMALL_KEYS = 1
+"""Agreement flag: this rank's keys are integers that the core's float dtype holds exactly."""
+
+
+def small_keys_flag(keys: Tensor | None, dtype: torch.dtype) -> int:
+    """:data:`SMALL_KEYS` when every key is an integer ``dtype`` holds exactly (``|k| ≤ 2**24`` in float32)."""
+    if keys is None or keys.numel() == 0:
+        return SMALL_KEYS
+    limit = 2 ** (53 if dtype == torch.float64 else 24)
+    return SMALL_KEYS if bool(((keys >= -limit) & (keys <= limit)).all()) else 0
+
+
+def comparable_keys(keys: Tensor, dtype: torch.dtype, every_rank_small: bool) -> Tensor:
+    """Keys as they are compared: in the logits' ``dtype`` when every rank's are small integers.
+
+    Comparing floats into a float mask is several times faster than comparing integers into one on
+    CPU; every rank must decide alike (keys travel and are gathered), hence the agreed flag.
+    """
+    return keys.to(dtype) if every_rank_small else keys
 
 KeyRule = Literal["positive", "mask"]
 """What equal keys mean: the pair is a positive (labels; ``same_id="positive"``), or it is removed
@@ -87,10 +107,10 @@ class Targets(NamedTuple):
         """``(c, m)`` 1 where a row and a column share a key, in ``like``'s dtype."""
         if self.row_keys is None or self.column_keys is None:
             return None
-        same = like.new_zeros(like.shape)
         keyed = self.column_keys.shape[0]
-        # Keys compared in the logits' dtype when they are (exact small integers): several times
-        # faster than comparing integers into a float mask on CPU.
+        if keyed == like.shape[1]:
+            return torch.eq(self.row_keys[:, None], self.column_keys[None, :], out=torch.empty_like(like))
+        same = like.new_zeros(like.shape)
         torch.eq(self.row_keys[:, None], self.column_keys[None, :], out=same[:, :keyed])
         return same
 

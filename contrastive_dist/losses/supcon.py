@@ -25,9 +25,9 @@ from contrastive_dist.losses._options import (
     check_weight,
     resolve_scale,
 )
-from contrastive_dist.losses._precision import full_precision, upcast
+from contrastive_dist.losses._precision import compute_dtype, full_precision, upcast
 from contrastive_dist.losses._reduction import Direction, all_reduced, mean_over_directions, mean_share
-from contrastive_dist.losses._targets import RowTargets
+from contrastive_dist.losses._targets import SMALL_KEYS, RowTargets, comparable_keys, small_keys_flag
 
 __all__ = ["SupConLoss", "supcon"]
 
@@ -145,14 +145,17 @@ def supcon(
             "weight": weight is not None,
         },
         sizes=sizes,
+        flags=0 if checked is None else small_keys_flag(labels, compute_dtype(checked.features.dtype)),
     )
     features, scale, chunk, weights = cast(_Arguments, checked)
     views = 1 if features.ndim == 2 else features.shape[1]
     with full_precision(features.device):
         # One row per embedding, sample-major: the embedding (sample s, view v) is row s·V + v,
-        # of the rows and of its own block's columns; the labels travel with them.
+        # of the rows and of its own block's columns; the labels travel with them (as floats when
+        # every rank's are small integers: gathered with the embeddings in one collective).
         embeddings = upcast(rearrange(features, "n ... d -> (n ...) d"))
-        embedding_labels = labels.repeat_interleave(views)
+        small = layout.every_rank_has(SMALL_KEYS)
+        embedding_labels = comparable_keys(labels, embeddings.dtype, small).repeat_interleave(views)
         columns = meet(communication, layout, (embeddings, embedding_labels), per_sample=views)
         keys, key_labels = columns.tensors
         anchors = torch.arange(embeddings.shape[0], device=features.device)
