@@ -25,36 +25,60 @@ MODES = ("mean", "weighted", "none")
 TEMPERATURE = {"ntxent": 0.5, "supcon": 0.3}
 
 
-def clip_rows(images: Tensor, texts: Tensor, scale: Tensor, negatives: Tensor | None, symmetric: bool) -> Tensor:
+def _same(ids: Tensor | None, i: int, other_ids: Tensor | None, j: int) -> bool:
+    return ids is not None and other_ids is not None and j < len(other_ids) and int(ids[i]) == int(other_ids[j])
+
+
+def _softmax_row(logits: list[Tensor], positives: list[int], masked: list[int]) -> Tensor:
+    """``logsumexp`` over the candidates (every column not ``masked``) minus the mean of the positives' logits."""
+    candidates = [logit for j, logit in enumerate(logits) if j not in masked]
+    return torch.logsumexp(torch.stack(candidates), 0) - sum(logits[p] for p in positives) / len(positives)
+
+
+def _targets(i: int, positive: int, columns: int, ids: Tensor | None, column_ids: Tensor | None,
+             same_id: str) -> tuple[list[int], list[int]]:
+    """The positives and masked columns of row ``i`` (its positive column ``positive``), written out."""
+    sharing = [j for j in range(columns) if _same(ids, i, column_ids, j)]
+    if same_id == "positive" and ids is not None:
+        return sharing, []
+    return [positive], [j for j in sharing if j != positive]
+
+
+def clip_rows(images: Tensor, texts: Tensor, scale: Tensor, negatives: Tensor | None, symmetric: bool,
+              ids: Tensor | None = None, negative_ids: Tensor | None = None, same_id: str = "mask") -> Tensor:
     columns = texts if negatives is None else torch.cat([texts, negatives])
+    column_ids = None if ids is None else (ids if negative_ids is None else torch.cat([ids, negative_ids]))
     rows = []
     for i in range(images.shape[0]):
-        image_to_text = torch.logsumexp(torch.stack([scale * images[i] @ c for c in columns]), 0)
-        image_to_text = image_to_text - scale * images[i] @ texts[i]
+        logits = [scale * images[i] @ c for c in columns]
+        row = _softmax_row(logits, *_targets(i, i, len(columns), ids, column_ids, same_id))
         if symmetric:
-            text_to_image = torch.logsumexp(torch.stack([scale * texts[i] @ m for m in images]), 0)
-            rows.append((image_to_text + text_to_image - scale * texts[i] @ images[i]) / 2)
-        else:
-            rows.append(image_to_text)
+            logits = [scale * texts[i] @ m for m in images]
+            row = (row + _softmax_row(logits, *_targets(i, i, len(images), ids, ids, same_id))) / 2
+        rows.append(row)
     return torch.stack(rows) if rows else images.sum(1) * 0
 
 
-def ntxent_rows(z1: Tensor, z2: Tensor, scale: Tensor | float) -> Tensor:
+def ntxent_rows(z1: Tensor, z2: Tensor, scale: Tensor | float, ids: Tensor | None = None,
+                same_id: str = "mask") -> Tensor:
     z = torch.cat([F.normalize(z1, dim=-1), F.normalize(z2, dim=-1)])
     count = z1.shape[0]
+    both_ids = None if ids is None else torch.cat([ids, ids])
     anchors = []
     for a in range(2 * count):
-        positive = (a + count) % (2 * count)
-        logits = torch.stack([scale * z[a] @ z[j] for j in range(2 * count) if j != a])
-        anchors.append(torch.logsumexp(logits, 0) - scale * z[a] @ z[positive])
+        logits = [scale * z[a] @ z[j] for j in range(2 * count)]
+        positives, masked = _targets(a, (a + count) % (2 * count), 2 * count, both_ids, both_ids, same_id)
+        anchors.append(_softmax_row(logits, [p for p in positives if p != a], masked + [a]))  # never itself
     return torch.stack([(anchors[i] + anchors[i + count]) / 2 for i in range(count)]) if count else z1.sum(1) * 0
 
 
-def siglip_rows(images: Tensor, texts: Tensor, scale: Tensor, bias: Tensor) -> Tensor:
+def siglip_rows(images: Tensor, texts: Tensor, scale: Tensor, bias: Tensor, ids: Tensor | None = None,
+                same_id: str = "mask") -> Tensor:
     rows = []
     for i in range(images.shape[0]):
-        signs = [1 if i == j else -1 for j in range(texts.shape[0])]
-        terms = [-F.logsigmoid(sign * (scale * images[i] @ text + bias)) for sign, text in zip(signs, texts)]
+        positives, masked = _targets(i, i, texts.shape[0], ids, ids, same_id)
+        terms = [-F.logsigmoid((1 if j in positives else -1) * (scale * images[i] @ text + bias))
+                 for j, text in enumerate(texts) if j not in masked]
         rows.append(torch.stack(terms).sum())
     return torch.stack(rows) if rows else images.sum(1) * 0
 
@@ -107,6 +131,10 @@ def make_problem(seed: int, total: int, dtype: torch.dtype, negatives: int = 0) 
         "upstream": draw(total, 2),
         "x_negative": draw(negatives, 4),
         "shared": F.normalize(draw(4, 5), dim=-1),
+        # Few distinct ids: duplicates inside a rank and across ranks; some negatives share a row's id.
+        "ids": torch.randint(0, max(total // 2, 1), (total,), generator=generator),
+        "negative_ids": torch.randint(0, max(total // 2, 1), (negatives,), generator=generator),
+        "shared_ids": torch.randint(0, max(total // 2, 1), (4,), generator=generator),
     }
     return params, data
 
@@ -131,25 +159,30 @@ def _scale(kind: str, params: dict[str, Tensor]) -> Tensor | None:
     return params["log_scale"].exp()
 
 
-def reference_rows(kind: str, params: dict[str, Tensor], data: dict[str, Tensor], negatives: Tensor | None) -> Tensor:
-    """``ℓ_i`` of every row of the global batch (SupCon: per anchor, like ``features[..., 0]``)."""
+def reference_rows(kind: str, params: dict[str, Tensor], data: dict[str, Tensor], negatives: Tensor | None,
+                   same_id: str = "", negative_ids: Tensor | None = None) -> Tensor:
+    """``ℓ_i`` of every row of the global batch (SupCon: per anchor, like ``features[..., 0]``).
+
+    ``same_id``: ``""`` (no ids), ``"mask"`` or ``"positive"``, with ``data["ids"]`` and ``negative_ids``.
+    """
+    ids = data["ids"] if same_id else None
     images, texts = encode(params, data)
     scale = _scale(kind, params)
     family = kind.split("_")[0]
     fixed = 1 / TEMPERATURE.get(family, 1.0) if scale is None else scale
     if family == "clip":
-        return clip_rows(images, texts, fixed, negatives, symmetric=kind == "clip")
+        return clip_rows(images, texts, fixed, negatives, kind == "clip", ids, negative_ids, same_id)
     if family == "ntxent":
-        return ntxent_rows(data["x_image"] @ params["w_image"], data["x_text"] @ params["w_text"], fixed)
+        return ntxent_rows(data["x_image"] @ params["w_image"], data["x_text"] @ params["w_text"], fixed, ids, same_id)
     if family == "siglip":
-        return siglip_rows(images, texts, fixed, params["bias"])
+        return siglip_rows(images, texts, fixed, params["bias"], ids, same_id)
     return supcon_rows(_views(kind, images, texts), data["labels"], fixed)[0]
 
 
 def reference_value(kind: str, mode: str, params: dict[str, Tensor], data: dict[str, Tensor],
-                    negatives: Tensor | None = None) -> Tensor:
+                    negatives: Tensor | None = None, same_id: str = "", negative_ids: Tensor | None = None) -> Tensor:
     """The global loss (``mean``/``weighted``) or the rows (``none``), from :func:`reference_rows`."""
-    rows = reference_rows(kind, params, data, negatives)
+    rows = reference_rows(kind, params, data, negatives, same_id, negative_ids)
     if mode == "none":
         return rows
     weights = data["weight"] if mode == "weighted" else torch.ones_like(data["weight"])
@@ -174,17 +207,25 @@ def package_value(
     communication: str = "gather",
     negatives: Tensor | SharedNegatives | None = None,
     group: ProcessGroup | None = None,
+    same_id: str = "",
+    negative_ids: Tensor | None = None,
 ) -> Tensor:
-    """This rank's value of the package's loss on its local ``data`` (a share of the mean, or its rows)."""
+    """This rank's value of the package's loss on its local ``data`` (a share of the mean, or its rows).
+
+    ``same_id``: ``""`` (no ids), or the ``same_id=`` with ``data["ids"]`` (and ``negative_ids``).
+    """
     images, texts = encode(params, data)
     scale = _scale(kind, params)
     options: dict[str, Any] = {"chunk_size": chunk_size, "sizes": sizes, "communication": communication, "group": group}
     options["reduction"] = "none" if mode == "none" else "mean"
     if mode == "weighted":
         options["weight"] = data["weight"]
+    if same_id:
+        options.update(ids=data["ids"], same_id=same_id)
     family = kind.split("_")[0]
     if family == "clip":
-        return info_nce(images, texts, scale, symmetric=kind == "clip", negatives=negatives, **options)
+        return info_nce(images, texts, scale, symmetric=kind == "clip", negatives=negatives,
+                        negative_ids=negative_ids, **options)
     if family == "ntxent":
         raw_1, raw_2 = data["x_image"] @ params["w_image"], data["x_text"] @ params["w_text"]
         return nt_xent(raw_1, raw_2, scale, temperature=TEMPERATURE["ntxent"], **options)

@@ -31,7 +31,10 @@ Case = tuple[str, int | None, tuple[int, int], str]
 
 
 def functional_step(kind: str, params: dict[str, Tensor], data: dict[str, Tensor], chunk: int | None, sizes):
-    return package_value(kind, "mean", params, data, chunk_size=chunk, sizes=sizes)
+    """``kind`` may name ids and a mode: ``"siglip:positive:weighted"`` (ids with ``same_id="positive"``)."""
+    name, same_id, mode = (kind.split(":") + ["", "mean"])[:3]
+    value = package_value(name, mode, params, data, chunk_size=chunk, sizes=sizes, same_id=same_id)
+    return value if mode != "none" else (value * data["upstream"][:, 0]).sum()
 
 
 def module_step(criterion: torch.nn.Module, params: dict[str, Tensor], data: dict[str, Tensor], sizes):
@@ -49,6 +52,11 @@ GROUPS = {
     "functional chunked": [(kind, 2, (3, 0), "float64") for kind in KINDS],
     "modules": [(name, None, (1, 4), "float32") for name in MODULES],
     "modules chunked": [(name, 2, (4, 0), "float32") for name in MODULES],
+    "sample ids": [
+        (f"{kind}:{same_id}:{mode}", 2, (3, 2), "float64")
+        for kind in ("clip", "ntxent", "siglip")
+        for same_id, mode in (("mask", "weighted"), ("positive", "none"))
+    ],
 }
 """Cases in groups of a few compilations each, so that every test stays well inside its time bound."""
 

@@ -387,3 +387,22 @@ def test_modules_hold_the_communication_mode_and_reject_unknown_ones() -> None:
             module(communication="all")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="communication must be one of"):
         siglip(images, texts, scale, bias, communication="Ring")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("communication", COMMUNICATIONS)
+def test_distinct_ids_give_the_loss_without_ids(communication: str) -> None:
+    # No two rows share an id: masking removes nothing (bitwise the same loss), and every row's only
+    # positive is its own pair (the same loss to rounding: another arrangement of the same sums).
+    params, data = make_problem(2, 7, torch.float64)
+    data["ids"] = torch.randperm(7, generator=torch.Generator().manual_seed(0)) * 1000
+    for kind in ("clip", "clip_one_way", "ntxent", "siglip"):
+        for mode in ("weighted", "none"):
+            options = {"chunk_size": 3, "communication": communication}
+            plain = package_value(kind, mode, params, data, **options)  # type: ignore[arg-type]
+            masked = package_value(kind, mode, params, data, same_id="mask", **options)  # type: ignore[arg-type]
+            positive = package_value(kind, mode, params, data, same_id="positive", **options)  # type: ignore[arg-type]
+            assert torch.equal(masked, plain), (kind, mode)
+            assert_close(positive, plain, torch.float64, f"{kind} {mode} positive")
+    assert "same_id='positive'" in repr(SigLIPLoss(same_id="positive"))
+    with pytest.raises(ValueError, match=r"same_id must be one of \('mask', 'positive'\), got 'pull'"):
+        DistributedInfoNCE(same_id="pull")  # type: ignore[arg-type]

@@ -2,9 +2,11 @@
 
 One matrix: every loss, uneven shards with empty ranks, W up to 8, chunked or not, ``sizes=``
 given or not, plain / weighted means and per-row losses, InfoNCE's own and shared negatives.
-The mean of the per-rank values (or the ranks' rows in rank order) and the DDP-averaged
-gradients of the encoder weights (hence the features), ``logit_scale`` and ``logit_bias`` — and
-each rank's own negatives — equal the plain float64 loop reference of the whole global batch.
+Sample ids (with duplicates inside and across ranks) under ``same_id="mask"`` and ``"positive"``,
+negatives with ids. The mean of the per-rank values (or the ranks' rows in rank order) and the
+DDP-averaged gradients of the encoder weights (hence the features), ``logit_scale`` and
+``logit_bias`` — and each rank's own negatives — equal the plain float64 loop reference of the
+whole global batch, written with explicit masks.
 """
 
 from __future__ import annotations
@@ -45,8 +47,10 @@ LAYOUTS: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {
     4: [((3, 3, 3, 3), (1, 0, 2, 0)), ((2, 0, 1, 1), (0, 2, 0, 1))],
     8: [((3, 0, 2, 0, 0, 1, 4, 0), (1, 0, 0, 2, 0, 0, 1, 0))],
 }
-Case = tuple[str, str, str, tuple[int, ...], tuple[int, ...], str, int | None, bool]
-"""(kind, mode, negatives "" / "own" / "shared", shards, negative shards, dtype, chunk_size, sizes given)."""
+Case = tuple[str, str, str, tuple[int, ...], tuple[int, ...], str, int | None, bool, str]
+"""(kind, mode, negatives "" / "own" / "shared", shards, negative shards, dtype, chunk_size, sizes given,
+same_id "" (no ids) / "mask" / "positive")."""
+ID_KINDS = ("clip", "clip_one_way", "ntxent", "siglip")
 
 
 def cases(world_size: int) -> list[Case]:
@@ -55,14 +59,16 @@ def cases(world_size: int) -> list[Case]:
         # W = 8 keeps one chunk size: eight processes on a small machine.
         chunks = (2,) if world_size == 8 else (None, 2)
         for kind in KINDS:
-            for mode in MODES:
-                negatives = ("", "own", "shared") if kind.startswith("clip") and mode != "mean" else ("",)
-                for negative_kind in negatives:
-                    for chunk in chunks:
-                        sizes_given = (index + len(out)) % 2 == 0
-                        out.append((kind, mode, negative_kind, shards, negative_shards, "float64", chunk, sizes_given))
+            for same_id in ("", "mask", "positive") if kind in ID_KINDS else ("",):
+                for mode in MODES:
+                    negatives = ("", "own", "shared") if kind.startswith("clip") and mode != "mean" else ("",)
+                    for negative_kind in negatives:
+                        for chunk in chunks:
+                            sizes_given = (index + len(out)) % 2 == 0
+                            case = (kind, mode, negative_kind, shards, negative_shards, "float64", chunk, sizes_given)
+                            out.append((*case, same_id))
         if index == 0:
-            out += [(kind, "mean", "", shards, negative_shards, "float32", 3, False) for kind in KINDS]
+            out += [(kind, "mean", "", shards, negative_shards, "float32", 3, False, "") for kind in KINDS]
     return out
 
 
@@ -71,38 +77,49 @@ def _slice(tensor: Tensor, shards: tuple[int, ...], rank: int) -> Tensor:
     return tensor[start : start + shards[rank]]
 
 
-def _negatives(kind: str, params: dict[str, Tensor], data: dict[str, Tensor]) -> Any:
-    return {"": None, "own": own_negatives(params, data["x_negative"]), "shared": SharedNegatives(data["shared"])}[kind]
+def _negatives(kind: str, params: dict[str, Tensor], data: dict[str, Tensor], same_id: str) -> tuple[Any, Any]:
+    """The negatives of a case and their ids (given with ids, every other case)."""
+    negatives = {"": None, "own": own_negatives(params, data["x_negative"]), "shared": SharedNegatives(data["shared"])}
+    ids = {"": None, "own": data["negative_ids"], "shared": data["shared_ids"]}[kind] if same_id else None
+    return negatives[kind], ids
+
+
+def _local(data: dict[str, Tensor], shards: tuple[int, ...], negative_shards: tuple[int, ...], rank: int) -> dict:
+    local = {name: _slice(tensor, shards, rank) for name, tensor in data.items()}
+    local.update(x_negative=_slice(data["x_negative"], negative_shards, rank), shared=data["shared"],
+                 negative_ids=_slice(data["negative_ids"], negative_shards, rank), shared_ids=data["shared_ids"])
+    return local
 
 
 def run_cases(rank: int, world_size: int, communication: str, all_cases: list[Case]) -> list[tuple[Tensor, dict]]:
     results = []
-    for seed, (kind, mode, negatives_kind, shards, negative_shards, dtype, chunk, sizes_given) in enumerate(all_cases):
+    for seed, case in enumerate(all_cases):
+        kind, mode, negatives_kind, shards, negative_shards, dtype, chunk, sizes_given, same_id = case
         params, data = make_problem(seed, sum(shards), getattr(torch, dtype), negatives=sum(negative_shards))
-        local = {name: _slice(tensor, shards, rank) for name, tensor in data.items() if name not in ("shared",)}
-        local["x_negative"] = _slice(data["x_negative"], negative_shards, rank)
-        local["shared"] = data["shared"]
-        negatives = _negatives(negatives_kind, params, local)
+        local = _local(data, shards, negative_shards, rank)
+        negatives, negative_ids = _negatives(negatives_kind, params, local, same_id)
         inputs = dict(params, negatives=negatives) if negatives_kind == "own" else dict(params)
         value = package_value(kind, mode, params, local, chunk_size=chunk, sizes=shards if sizes_given else None,
-                              communication=communication, negatives=negatives)
+                              communication=communication, negatives=negatives, same_id=same_id,
+                              negative_ids=negative_ids)
         results.append(value_and_grads(objective(value, mode, local["upstream"]), inputs))
         results[-1] = (value.detach(), results[-1][1])
     return results
 
 
 def _expected(seed: int, case: Case) -> tuple[Tensor, dict[str, Tensor]]:
-    kind, mode, negatives_kind, shards, negative_shards, _, _, _ = case
+    kind, mode, negatives_kind, shards, negative_shards, _, _, _, same_id = case
     params, data = make_problem(seed, sum(shards), torch.float64, negatives=sum(negative_shards))
-    negatives = _negatives(negatives_kind, params, data)
+    negatives, negative_ids = _negatives(negatives_kind, params, data, same_id)
     inputs = dict(params, negatives=negatives) if negatives_kind == "own" else dict(params)
-    value = reference_value(kind, mode, params, data, negatives.keys if negatives_kind == "shared" else negatives)
+    columns = negatives.keys if negatives_kind == "shared" else negatives
+    value = reference_value(kind, mode, params, data, columns, same_id, negative_ids)
     return value.detach(), value_and_grads(objective(value, mode, data["upstream"]), inputs)[1]
 
 
 def check(world_size: int, all_cases: list[Case], per_rank: list[list[tuple[Tensor, dict]]]) -> None:
     for seed, case in enumerate(all_cases):
-        kind, mode, negatives_kind, shards, negative_shards, dtype_name, _, _ = case
+        kind, mode, negatives_kind, shards, negative_shards, dtype_name, _, _, _ = case
         what, dtype = f"W={world_size} {case}", getattr(torch, dtype_name)
         expected, expected_grads = _expected(seed, case)
         # A mean: the mean over ranks is the global loss and DDP averages the gradients. Rows: the
@@ -161,6 +178,16 @@ def _edge_cases(rank: int, world_size: int, communication: str) -> dict[str, Any
                                   group=group)
             outcome[f"group {kind}"] = value_and_grads(value, params)
     dist.destroy_process_group(group)
+    # Ids beyond float32's integers on one rank only: every rank compares them as integers alike.
+    shards = (2, 3, 1, 2)
+    params, data = make_problem(6, sum(shards), torch.float64)
+    local = {name: _slice(tensor, shards, rank) for name, tensor in data.items()}
+    if rank == 1:
+        local["ids"] = local["ids"] + 2**40 * (local["ids"] % 2)  # the reference gets the same ids
+    for kind in ID_KINDS:
+        options = {"chunk_size": 2, "communication": communication, "same_id": "positive"}
+        value = package_value(kind, "mean", params, local, **options)  # type: ignore[arg-type]
+        outcome[f"large ids {kind}"] = value_and_grads(value, params)
     # A frozen tower (LiT locks the image tower): the side without gradient sends no accumulator.
     shards = (3, 0, 4, 1)
     params, data = make_problem(5, sum(shards), torch.float64)
@@ -194,6 +221,15 @@ def test_empty_global_batch_subgroup_and_frozen_towers(pool: Callable[[int], Wor
         for name, grad in expected_grads.items():
             assert_close(sum(grads[name] for _, grads in members) / 3, grad, torch.float64, f"group {kind} d/d{name}")
         assert f"group {kind}" not in per_rank[1]
+    params, data = make_problem(6, 8, torch.float64)
+    data["ids"][2:5] += 2**40 * (data["ids"][2:5] % 2)
+    for kind in ID_KINDS:
+        reference = reference_value(kind, "mean", params, data, None, "positive")
+        expected, expected_grads = value_and_grads(reference, params)
+        results, what = [outcome[f"large ids {kind}"] for outcome in per_rank], f"large ids {kind}"
+        assert_close(sum(value for value, _ in results) / 4, expected, torch.float64, what)
+        for name, grad in expected_grads.items():
+            assert_close(sum(grads[name] for _, grads in results) / 4, grad, torch.float64, f"{what} d/d{name}")
     params, data = make_problem(5, 8, torch.float64)
     for frozen in ("image", "text"):
         for kind in ("clip", "clip_one_way", "siglip"):
@@ -242,6 +278,15 @@ def _bad_input_on_rank_one(rank: int, world_size: int, communication: str) -> di
         "weight dtype": lambda: supcon(good, labels, weight=ones.bool() if bad else ones, **mode),
         "weight with none": lambda: info_nce(good, good, weight=ones, reduction="none" if bad else "mean", **mode),
         "reduction": lambda: nt_xent(good, good, reduction="sum" if bad else "mean", **mode),
+        "ids dtype": lambda: info_nce(good, good, ids=labels.int() if bad else labels, **mode),
+        "ids length": lambda: siglip(good, good, 2.0, -1.0, ids=labels[:3] if bad else labels, **mode),
+        "same_id": lambda: nt_xent(good, good, ids=labels, same_id="both" if bad else "mask", **mode),  # type: ignore[arg-type]
+        "negative_ids without negatives": lambda: info_nce(
+            good, good, negatives=None if bad else torch.randn(2, 8), negative_ids=labels[:2], **mode
+        ),
+        "negative_ids length": lambda: info_nce(
+            good, good, negatives=torch.randn(2, 8), negative_ids=labels[:3] if bad else labels[:2], **mode
+        ),
     }
     # No rank is wrong alone: the ranks disagree. Each would otherwise hang or abort the transport.
     differ: dict[str, Callable[[], object]] = {
@@ -252,6 +297,10 @@ def _bad_input_on_rank_one(rank: int, world_size: int, communication: str) -> di
         "options: reduction": lambda: supcon(good, labels, reduction="none" if bad else "mean", **mode),
         "options: weight": lambda: info_nce(good, good, weight=ones if bad else None, **mode),
         "options: negatives": lambda: info_nce(good, good, negatives=torch.randn(2, 8) if bad else None, **mode),
+        "options: ids": lambda: info_nce(good, good, ids=labels if bad else None, **mode),
+        "options: same_id": lambda: siglip(
+            good, good, 2.0, -1.0, ids=labels, same_id="positive" if bad else "mask", **mode
+        ),
         "options: shared negatives": lambda: info_nce(
             good, good, negatives=SharedNegatives(torch.randn(2, 8)) if bad else torch.randn(2, 8), **mode
         ),
@@ -266,7 +315,7 @@ def _bad_input_on_rank_one(rank: int, world_size: int, communication: str) -> di
         ),
     }
     outcome: dict[str, tuple[str, str] | float] = {**error_outcomes(calls), **error_outcomes(differ)}
-    outcome["after"] = float(info_nce(good, good, negatives=torch.randn(rank, 8), weight=ones, **mode))
+    outcome["after"] = float(info_nce(good, good, negatives=torch.randn(rank, 8), weight=ones, ids=labels, **mode))
     return outcome
 
 

@@ -11,6 +11,7 @@ queue) are columns held here: the kernel meets them locally, with no transfer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -62,19 +63,26 @@ def negatives_kind(negatives: object) -> str:
     return "shared" if isinstance(negatives, SharedNegatives) else "own"
 
 
-def with_own_negatives(columns: Columns, negatives: tuple[Tensor, ...], layout: Layout) -> Columns:
-    """``columns`` with every rank's own negatives after its texts: each tensor in ``negatives`` joins its peer.
+def with_own_negatives(columns: Columns, negatives: Sequence[Tensor | None], layout: Layout) -> Columns:
+    """``columns`` with every rank's own negatives after its texts: each tensor of ``negatives`` joins its peer.
 
-    Gather mode: every rank's negatives gathered (their agreed counts, one more collective) after
-    every rank's texts. Ring mode: this rank's appended to its block, which now has ``n_r + k_r`` columns.
+    A ``None`` leaves its peer as it is (negatives without ids: the columns' ids then cover the texts
+    only, and the negatives share no id). Gather mode: every rank's negatives gathered (their agreed
+    counts, one more collective) after every rank's texts. Ring mode: this rank's appended to its
+    block, which now has ``n_r + k_r`` columns.
     """
     counts = layout.extra_sizes
+    present = [(index, tensor) for index, tensor in enumerate(negatives) if tensor is not None]
     if isinstance(columns.transport, OneBlock):
-        gathered = gather_agreed(negatives, layout._replace(sizes=counts))
-        pairs = zip(columns.tensors, gathered.tensors)
-        joined = tuple(torch.cat((mine, theirs.to(mine.dtype))) for mine, theirs in pairs)
-        return Columns(joined, columns.transport, columns.rows)
-    ring = columns.transport.ring
-    rows = tuple(size + count for size, count in zip(columns.rows, counts, strict=True))
-    joined = tuple(torch.cat((mine, extra.to(mine.dtype))) for mine, extra in zip(columns.tensors, negatives))
-    return Columns(joined, RingBlocks(Ring(ring.rank, ring.world_size, rows, ring.group)), rows)
+        gathered = gather_agreed([tensor for _, tensor in present], layout._replace(sizes=counts)).tensors
+        rows = columns.rows
+    else:
+        gathered = tuple(tensor for _, tensor in present)
+        ring = columns.transport.ring
+        rows = tuple(size + count for size, count in zip(columns.rows, counts, strict=True))
+    joined = list(columns.tensors)
+    for (index, _), extra in zip(present, gathered, strict=True):
+        joined[index] = torch.cat((joined[index], extra.to(joined[index].dtype)))
+    if isinstance(columns.transport, OneBlock):
+        return Columns(tuple(joined), columns.transport, rows)
+    return Columns(tuple(joined), RingBlocks(Ring(ring.rank, ring.world_size, rows, ring.group)), rows)

@@ -18,10 +18,13 @@ from contrastive_dist.losses._precision import compute_dtype
 __all__ = [
     "Communication",
     "Reduction",
+    "SameId",
     "check_bool",
     "check_chunk_size",
     "check_communication",
+    "check_ids",
     "check_reduction",
+    "check_same_id",
     "check_temperature",
     "check_weight",
     "positive_scalar",
@@ -124,8 +127,36 @@ def check_weight(weight: object, rows: int, like: Tensor) -> Tensor | None:
     if weight.shape != (rows,):
         raise ValueError(f"weight must have one entry per local row, shape ({rows},), got {tuple(weight.shape)}")
     values = weight.detach().to(dtype=compute_dtype(like.dtype), device=like.device)
+    if torch.compiler.is_compiling():
+        return values  # the values are data: under torch.compile they are trusted, like sizes=
     for bad, what in ((~torch.isfinite(values), "finite"), (values < 0, ">= 0")):
         if bool(bad.any()):
             index = int(torch.nonzero(bad)[0, 0])
             raise ValueError(f"weight must be {what}, got weight[{index}] = {values[index].item()}")
     return values
+
+
+SameId = Literal["mask", "positive"]
+"""What two rows with the same id are to each other: ``"mask"`` (neither pushed apart nor pulled
+together) or ``"positive"`` (positives of each other)."""
+
+
+def check_same_id(same_id: object) -> SameId:
+    """Check ``same_id`` is ``"mask"`` or ``"positive"``."""
+    allowed = get_args(SameId)
+    if same_id not in allowed:
+        raise ValueError(f"same_id must be one of {allowed}, got {same_id!r}")
+    return cast(SameId, same_id)
+
+
+def check_ids(name: str, ids: object, rows: int, like: Tensor) -> Tensor | None:
+    """Check for one int64 id per row, on ``like``'s device (``None`` passes)."""
+    if ids is None:
+        return None
+    if not isinstance(ids, Tensor):
+        raise TypeError(f"{name} must be an int64 torch.Tensor of shape ({rows},), got {type(ids).__name__}")
+    if ids.dtype != torch.int64:
+        raise TypeError(f"{name} must be an int64 tensor (one id per row), got {ids.dtype}")
+    if ids.shape != (rows,):
+        raise ValueError(f"{name} must have one id per row, shape ({rows},), got {tuple(ids.shape)}")
+    return ids.to(like.device)

@@ -16,7 +16,16 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["SMALL_KEYS", "KeyRule", "Located", "RowTargets", "Targets", "comparable_keys", "small_keys_flag"]
+__all__ = [
+    "SMALL_KEYS",
+    "KeyRule",
+    "Located",
+    "RowTargets",
+    "Targets",
+    "comparable_keys",
+    "pair_targets",
+    "small_keys_flag",
+]
 
 SMALL_KEYS = 1
 """Agreement flag: this rank's keys are integers that the core's float dtype holds exactly."""
@@ -24,6 +33,8 @@ SMALL_KEYS = 1
 
 def small_keys_flag(keys: Tensor | None, dtype: torch.dtype) -> int:
     """:data:`SMALL_KEYS` when every key is an integer ``dtype`` holds exactly (``|k| ≤ 2**24`` in float32)."""
+    if torch.compiler.is_compiling():
+        return 0  # nothing is exchanged under torch.compile: the keys stay integers, decided alike everywhere
     if keys is None or keys.numel() == 0:
         return SMALL_KEYS
     limit = 2 ** (53 if dtype == torch.float64 else 24)
@@ -189,3 +200,23 @@ class RowTargets(NamedTuple):
         if self.column_positive is not None and own_block:
             positive = partly_located(self.column_positive - start, rows)
         return targets.transposed(positive)
+
+
+def pair_targets(
+    positive: Tensor,
+    *,
+    excluded: Tensor | None = None,
+    keys: Tensor | None = None,
+    same_id: KeyRule = "mask",
+    column_positive: bool = False,
+) -> RowTargets:
+    """Rows with one positive column each (their pair), and, with ``keys`` (ids), what equal ids mean.
+
+    ``same_id="mask"``: other columns with the row's id are left out, its positive stays;
+    ``"positive"``: every column with the row's id is a positive (the single positive is then one of
+    them: the caller gives the pair the same id). ``column_positive``: ring mode's columns have
+    losses of their own, each with the row of the same index as its positive.
+    """
+    if keys is not None and same_id == "positive":
+        return RowTargets(excluded=excluded, keys=keys, key_rule="positive")
+    return RowTargets(positive, excluded, keys, "mask", positive if column_positive else None)

@@ -18,17 +18,20 @@ from contrastive_dist.losses._negatives import SharedNegatives, check_negatives,
 from contrastive_dist.losses._options import (
     Communication,
     Reduction,
+    SameId,
     check_bool,
     check_chunk_size,
     check_communication,
+    check_ids,
     check_reduction,
+    check_same_id,
     check_temperature,
     check_weight,
     resolve_scale,
 )
-from contrastive_dist.losses._precision import full_precision, upcast
+from contrastive_dist.losses._precision import compute_dtype, full_precision, upcast
 from contrastive_dist.losses._reduction import Direction, mean_over_directions, mean_share, weight_total
-from contrastive_dist.losses._targets import RowTargets
+from contrastive_dist.losses._targets import SMALL_KEYS, comparable_keys, pair_targets, small_keys_flag
 
 __all__ = ["DistributedInfoNCE", "info_nce"]
 
@@ -40,6 +43,8 @@ class _Arguments(NamedTuple):
     chunk_size: int | None
     weights: Tensor | None
     negatives: Tensor | SharedNegatives | None
+    ids: Tensor | None
+    negative_ids: Tensor | None
 
 
 def info_nce(
@@ -56,6 +61,9 @@ def info_nce(
     weight: Tensor | None = None,
     reduction: Reduction = "mean",
     communication: Communication = "gather",
+    ids: Tensor | None = None,
+    same_id: SameId = "mask",
+    negative_ids: Tensor | None = None,
 ) -> Tensor:
     """CLIP loss of this rank's pairs against every rank's pairs; exact under data parallelism.
 
@@ -75,6 +83,17 @@ def info_nce(
     one's gradient returned to its owner; :class:`SharedNegatives` (e.g.
     :attr:`DistributedMemoryQueue.negatives`) holds negatives identical on every rank, used as
     they are, without gradient.
+
+    **Sample ids.** ``ids`` gives each pair an int64 identity (a caption id, a document id, a
+    de-duplication hash); pairs of the global batch that share one are not negatives of each other.
+    With ``same_id="mask"`` (the default) a column with the row's id, other than its own positive,
+    is left out of the row's softmax: it neither pushes nor pulls. With ``same_id="positive"`` every
+    column with the row's id is a positive, and the row's loss averages over them (as SupCon and
+    UniCL define it): ``ℓ_i = logsumexp_j l_ij − (1/|P_i|) Σ_{p ∈ P_i} l_ip`` with
+    ``P_i = {j : id_j = id_i}`` (its own pair included), in each direction. ``negative_ids`` gives
+    the extra negatives ids too (so a mined hard negative that is in fact a positive of its query is
+    masked, or counted as a positive); negatives without ids share none. The ids travel with their
+    columns in both modes: the mask is formed block by block, never as an ``N × N`` matrix.
 
     **Weights and reduction.** A pair's loss ``ℓ_i`` is the mean of its two directions (its
     image→text term alone when ``symmetric=False``). With ``weight`` the loss is
@@ -103,6 +122,9 @@ def info_nce(
             their rank's own negatives) round the ring, each logit block serving both directions
             (memory ``O(n_r·D + chunk·max_r (n_r + k_r))``, independent of the number of ranks).
             Same value and gradients, every option included.
+        ids: ``(n_r,)`` int64, one id per local pair, or ``None``; see above.
+        same_id: ``"mask"`` or ``"positive"``: what pairs with the same id are to each other.
+        negative_ids: ``(k_r,)`` (own) or ``(K,)`` (shared) int64 ids of ``negatives``, or ``None``.
 
     Returns:
         ``"mean"``: a scalar, this rank's share of the global loss (0 for an empty global batch or
@@ -117,7 +139,8 @@ def info_nce(
 
     Shape:
         image_features, text_features: ``(n_r, D)``; logit_scale: ``()``; negatives: ``(k_r, D)``
-        or ``(K, D)`` shared; weight: ``(n_r,)``; output: ``()``, or ``(n_r,)`` with ``reduction="none"``.
+        or ``(K, D)`` shared; weight, ids: ``(n_r,)``; negative_ids: ``(k_r,)`` or ``(K,)``;
+        output: ``()``, or ``(n_r,)`` with ``reduction="none"``.
 
     Example:
         >>> import torch
@@ -133,6 +156,9 @@ def info_nce(
         (torch.Size([]), True)
         >>> info_nce(images, texts, reduction="none").shape
         torch.Size([4])
+        >>> captions = torch.tensor([7, 3, 7, 5])  # pairs 0 and 2 share a caption: not negatives of each other
+        >>> info_nce(images, texts, ids=captions, same_id="positive").shape
+        torch.Size([])
 
     """
 
@@ -141,19 +167,31 @@ def info_nce(
         check_bool("symmetric", symmetric)
         check_reduction(reduction, weight)
         check_communication(communication)
+        check_same_id(same_id)
+        extra = check_negatives(negatives, texts)
+        if negative_ids is not None and extra is None:
+            raise ValueError("negative_ids= gives the ids of negatives=, but no negatives were passed")
+        extra_rows = 0 if extra is None else (extra.keys if isinstance(extra, SharedNegatives) else extra).shape[0]
         return _Arguments(
             images,
             texts,
             resolve_scale(logit_scale, check_temperature(temperature), images),
             check_chunk_size(chunk_size),
             check_weight(weight, images.shape[0], images),
-            check_negatives(negatives, texts),
+            extra,
+            check_ids("ids", ids, images.shape[0], images),
+            check_ids("negative_ids", negative_ids, extra_rows, images),
         )
 
     checked, problem = collect(arguments)
     own_negatives = checked.negatives if checked is not None and isinstance(checked.negatives, Tensor) else None
+    optional = tuple(tensor for tensor in (own_negatives, ids, negative_ids) if isinstance(tensor, Tensor))
+    small_keys = 0
+    if checked is not None:
+        dtype = compute_dtype(checked.images.dtype)
+        small_keys = small_keys_flag(checked.ids, dtype) & small_keys_flag(checked.negative_ids, dtype)
     layout = agree(
-        (image_features, text_features, *(() if own_negatives is None else (own_negatives,))),
+        (image_features, text_features, *optional),
         problem=problem,
         group=group,
         operation="info_nce",
@@ -165,33 +203,54 @@ def info_nce(
             "reduction": reduction,
             "negatives": negatives_kind(negatives),
             "weight": weight is not None,
+            "ids": ids is not None,
+            "same_id": same_id,
+            "negative_ids": negative_ids is not None,
         },
         sizes=sizes,
         extra=0 if own_negatives is None else own_negatives.shape[0],
         total=None if checked is None else weight_total(checked.weights),
+        flags=small_keys,
     )
-    images, texts, scale, chunk, weights, negatives = cast(_Arguments, checked)
+    arguments_ = cast(_Arguments, checked)
+    images, texts, scale, chunk, weights, negatives = arguments_[:6]
     ring = communication == "ring"
     with full_precision(images.device):
+        small = layout.every_rank_has(SMALL_KEYS)
+        keys = None if arguments_.ids is None else comparable_keys(arguments_.ids, compute_dtype(images.dtype), small)
+        keyed = () if keys is None else (keys,)
         # Gather mode's text→image direction needs every rank's images too: gathered with the texts.
-        columns = meet(communication, layout, (texts, images) if symmetric and not ring else (texts,))
-        text_columns = Columns((upcast(columns.tensors[0]),), columns.transport, columns.rows)
+        columns = meet(communication, layout, (texts, images, *keyed) if symmetric and not ring else (texts, *keyed))
+        column_keys = columns.tensors[-1] if keys is not None else None
+        negative_keys = arguments_.negative_ids
+        if negative_keys is not None:
+            negative_keys = comparable_keys(negative_keys, compute_dtype(images.dtype), small)
+        text_columns = Columns((upcast(columns.tensors[0]), *(() if column_keys is None else (column_keys,))),
+                               columns.transport, columns.rows)
+        column_key_rows = columns.rows
         if own_negatives is not None:
-            text_columns = with_own_negatives(text_columns, (upcast(own_negatives),), layout)
+            joined = (upcast(own_negatives), negative_keys if column_keys is not None else None)
+            text_columns = with_own_negatives(text_columns, joined, layout)
+            column_key_rows = text_columns.rows if negative_keys is not None else columns.rows
         pairs_with = torch.arange(images.shape[0], device=images.device)
-        rows = RowTargets(positive=pairs_with, column_positive=pairs_with if ring and symmetric else None)
+        rows = pair_targets(pairs_with, keys=keys, same_id=same_id, column_positive=ring and symmetric)
         image_to_text = Pairs(
             SOFTMAX,
             rows,
             text_columns.transport,
             chunk or max(images.shape[0], 1),
+            column_keys=text_columns.tensors[1] if column_keys is not None else None,
             key_rows=text_columns.rows,
+            column_key_rows=column_key_rows,
             columns=layout.sizes if ring and symmetric else None,  # ring: the texts' own losses, same logits
             local_keys=negatives.keys if isinstance(negatives, SharedNegatives) else None,
+            local_column_keys=negative_keys if isinstance(negatives, SharedNegatives) else None,
         )
         directions = [Direction(upcast(images), text_columns.tensors[0], scale, None, image_to_text)]
         if symmetric and not ring:
-            text_to_image = image_to_text._replace(local_keys=None, key_rows=columns.rows)
+            text_to_image = image_to_text._replace(
+                column_keys=column_keys, local_keys=None, local_column_keys=None, key_rows=columns.rows
+            )
             directions.append(Direction(upcast(texts), upcast(columns.tensors[1]), scale, None, text_to_image))
         value, _ = mean_over_directions(directions, weights=weights, per_row=reduction == "none")
     if reduction == "none":
@@ -210,10 +269,12 @@ class DistributedInfoNCE(TemperatureLoss):
         reduction: ``"mean"`` or ``"none"`` (per-pair losses; the caller normalises).
         communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
             ranks; takes ``negatives``, ``weight`` and ``reduction`` too); see :func:`info_nce`.
+        same_id: what pairs with the same ``ids`` (given to ``forward``) are to each other:
+            ``"mask"`` or ``"positive"``; see :func:`info_nce`.
 
     Shape:
         image_features, text_features: ``(n_r, D)``; logit_scale: ``()``; negatives: ``(k_r, D)``;
-        weight: ``(n_r,)``; output: ``()``, or ``(n_r,)`` with ``reduction="none"``.
+        weight, ids: ``(n_r,)``; output: ``()``, or ``(n_r,)`` with ``reduction="none"``.
 
     Example:
         >>> import torch
@@ -236,6 +297,7 @@ class DistributedInfoNCE(TemperatureLoss):
         group: ProcessGroup | None = None,
         reduction: Reduction = "mean",
         communication: Communication = "gather",
+        same_id: SameId = "mask",
     ) -> None:
         super().__init__(
             temperature=temperature,
@@ -244,9 +306,8 @@ class DistributedInfoNCE(TemperatureLoss):
             reduction=reduction,
             communication=communication,
         )
-        if not isinstance(symmetric, bool):
-            raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
-        self.symmetric = symmetric
+        self.same_id = check_same_id(same_id)
+        self.symmetric = check_bool("symmetric", symmetric)
 
     def forward(
         self,
@@ -257,6 +318,8 @@ class DistributedInfoNCE(TemperatureLoss):
         sizes: Sequence[int] | None = None,
         negatives: Tensor | SharedNegatives | None = None,
         weight: Tensor | None = None,
+        ids: Tensor | None = None,
+        negative_ids: Tensor | None = None,
     ) -> Tensor:
         """Return this rank's share of the loss (or its per-pair losses); see :func:`info_nce`."""
         return info_nce(
@@ -272,8 +335,11 @@ class DistributedInfoNCE(TemperatureLoss):
             weight=weight,
             reduction=self.reduction,
             communication=self.communication,
+            ids=ids,
+            same_id=self.same_id,
+            negative_ids=negative_ids,
         )
 
     def extra_repr(self) -> str:
         """Show the options in ``repr``."""
-        return f"{super().extra_repr()}, symmetric={self.symmetric}"
+        return f"{super().extra_repr()}, symmetric={self.symmetric}, same_id={self.same_id!r}"

@@ -18,16 +18,19 @@ from contrastive_dist.losses._module import TemperatureLoss
 from contrastive_dist.losses._options import (
     Communication,
     Reduction,
+    SameId,
     check_chunk_size,
     check_communication,
+    check_ids,
     check_reduction,
+    check_same_id,
     check_temperature,
     check_weight,
     resolve_scale,
 )
-from contrastive_dist.losses._precision import full_precision, upcast
+from contrastive_dist.losses._precision import compute_dtype, full_precision, upcast
 from contrastive_dist.losses._reduction import Direction, mean_over_directions, mean_share, weight_total
-from contrastive_dist.losses._targets import RowTargets
+from contrastive_dist.losses._targets import SMALL_KEYS, comparable_keys, pair_targets, small_keys_flag
 
 __all__ = ["NTXentLoss", "nt_xent"]
 
@@ -38,6 +41,7 @@ class _Arguments(NamedTuple):
     scale: Tensor
     chunk_size: int | None
     weights: Tensor | None
+    ids: Tensor | None
 
 
 def nt_xent(
@@ -52,6 +56,8 @@ def nt_xent(
     weight: Tensor | None = None,
     reduction: Reduction = "mean",
     communication: Communication = "gather",
+    ids: Tensor | None = None,
+    same_id: SameId = "mask",
 ) -> Tensor:
     """NT-Xent of this rank's views against both views of the whole global batch.
 
@@ -64,6 +70,13 @@ def nt_xent(
     Each rank uses its ``2 n_r`` local anchors against the gathered ``2N`` columns and returns
     ``(W / 2N) · Σ_local ℓ``: the mean over ranks is the single-process loss, and DDP's gradient
     averaging gives its exact gradient, for any per-rank batch sizes (including 0).
+
+    **Sample ids.** ``ids`` gives each sample an int64 identity (e.g. a de-duplication hash of its
+    source image); both views carry it. With ``same_id="mask"`` (the default) the embeddings of
+    *other* samples with an anchor's id are left out of its candidates (its own other view stays its
+    positive); with ``same_id="positive"`` every embedding with the anchor's id but itself is a
+    positive, and ``ℓ_a = logsumexp_{j ≠ a} l_aj − (1/|P_a|) Σ_{p ∈ P_a} l_ap`` with
+    ``P_a = {j ≠ a : id_j = id_a}``.
 
     **Weights and reduction.** A sample's loss ``ℓ_i`` is the mean of its two anchors' losses
     (so the loss is the mean of the ``ℓ_i``). With ``weight`` the loss is ``Σ_i w_i ℓ_i /
@@ -83,6 +96,8 @@ def nt_xent(
             ``torch.compile``, where it is trusted).
         weight: one weight ≥ 0 per local sample (no gradient); see above.
         reduction: ``"mean"`` (this rank's share of the global mean) or ``"none"`` (per-sample losses).
+        ids: ``(n_r,)`` int64, one id per local sample, or ``None``; see above.
+        same_id: ``"mask"`` or ``"positive"``: what samples with the same id are to each other.
         communication: ``"gather"`` gathers both views of every rank onto every rank (memory
             ``O(N·D + chunk·N)``); ``"ring"`` passes blocks of both views round the ring instead
             (memory ``O(n_r·D + chunk·max_r n_r)``, independent of the number of ranks); same result,
@@ -115,13 +130,15 @@ def nt_xent(
         first, second = check_pair("z1", z1, "z2", z2)
         check_reduction(reduction, weight)
         check_communication(communication)
+        check_same_id(same_id)
         scale = resolve_scale(logit_scale, check_temperature(temperature), first)
         weights = check_weight(weight, first.shape[0], first)
-        return _Arguments(first, second, scale, check_chunk_size(chunk_size), weights)
+        sample_ids = check_ids("ids", ids, first.shape[0], first)
+        return _Arguments(first, second, scale, check_chunk_size(chunk_size), weights, sample_ids)
 
     checked, problem = collect(arguments)
     layout = agree(
-        (z1, z2),
+        (z1, z2, *(() if ids is None else (ids,))),
         problem=problem,
         group=group,
         operation="nt_xent",
@@ -131,23 +148,31 @@ def nt_xent(
             "communication": communication,
             "reduction": reduction,
             "weight": weight is not None,
+            "ids": ids is not None,
+            "same_id": same_id,
         },
         sizes=sizes,
         total=None if checked is None else weight_total(checked.weights),
+        flags=0 if checked is None else small_keys_flag(checked.ids, compute_dtype(checked.z1.dtype)),
     )
-    first, second, scale, chunk, weights = cast(_Arguments, checked)
+    first, second, scale, chunk, weights, sample_ids = cast(_Arguments, checked)
     samples = first.shape[0]
     with full_precision(first.device):
         # Normalised in the core's dtype, so bf16/fp16 inputs lose nothing to a rounded unit vector.
         # Sample-major anchors: sample i's views are rows 2i and 2i + 1, its own block's columns too.
         views = F.normalize(upcast(torch.stack((first, second), dim=1)), dim=-1).flatten(0, 1)
-        columns = meet(communication, layout, (views,), per_sample=2)
+        keys = None
+        if sample_ids is not None:  # both views of a sample carry its id
+            small = layout.every_rank_has(SMALL_KEYS)
+            keys = comparable_keys(sample_ids, views.dtype, small).repeat_interleave(2)
+        columns = meet(communication, layout, (views, *(() if keys is None else (keys,))), per_sample=2)
         anchors = torch.arange(2 * samples, device=first.device)
         pairs = Pairs(
             SOFTMAX,
-            RowTargets(positive=anchors ^ 1, excluded=anchors),  # the other view; never itself
+            pair_targets(anchors ^ 1, excluded=anchors, keys=keys, same_id=same_id),  # the other view; never itself
             columns.transport,
             chunk or max(2 * samples, 1),
+            column_keys=None if keys is None else columns.tensors[1],
             key_rows=columns.rows,
         )
         direction = Direction(views, columns.tensors[0], scale, None, pairs)
@@ -169,6 +194,8 @@ class NTXentLoss(TemperatureLoss):
         reduction: ``"mean"`` or ``"none"`` (per-sample losses; the caller normalises).
         communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
             ranks; takes ``weight`` and ``reduction`` too); see :func:`nt_xent`.
+        same_id: what samples with the same ``ids`` (given to ``forward``) are to each other:
+            ``"mask"`` or ``"positive"``; see :func:`nt_xent`.
 
     Shape:
         z1, z2: ``(n_r, D)``; logit_scale: ``()``; weight: ``(n_r,)``; output: ``()``, or ``(n_r,)``
@@ -191,6 +218,7 @@ class NTXentLoss(TemperatureLoss):
         group: ProcessGroup | None = None,
         reduction: Reduction = "mean",
         communication: Communication = "gather",
+        same_id: SameId = "mask",
     ) -> None:
         super().__init__(
             temperature=temperature,
@@ -199,6 +227,7 @@ class NTXentLoss(TemperatureLoss):
             reduction=reduction,
             communication=communication,
         )
+        self.same_id = check_same_id(same_id)
 
     def forward(
         self,
@@ -208,6 +237,7 @@ class NTXentLoss(TemperatureLoss):
         *,
         sizes: Sequence[int] | None = None,
         weight: Tensor | None = None,
+        ids: Tensor | None = None,
     ) -> Tensor:
         """Return this rank's share of the loss (or its per-sample losses); see :func:`nt_xent`."""
         return nt_xent(
@@ -221,4 +251,10 @@ class NTXentLoss(TemperatureLoss):
             weight=weight,
             reduction=self.reduction,
             communication=self.communication,
+            ids=ids,
+            same_id=self.same_id,
         )
+
+    def extra_repr(self) -> str:
+        """Show the options in ``repr``."""
+        return f"{super().extra_repr()}, same_id={self.same_id!r}"

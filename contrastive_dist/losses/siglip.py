@@ -16,16 +16,19 @@ from contrastive_dist.losses._kernel import SIGMOID, Pairs
 from contrastive_dist.losses._options import (
     Communication,
     Reduction,
+    SameId,
     check_chunk_size,
     check_communication,
+    check_ids,
     check_reduction,
+    check_same_id,
     check_weight,
     positive_scalar,
     scalar_tensor,
 )
-from contrastive_dist.losses._precision import full_precision, upcast
+from contrastive_dist.losses._precision import compute_dtype, full_precision, upcast
 from contrastive_dist.losses._reduction import Direction, mean_over_directions, mean_share, weight_total
-from contrastive_dist.losses._targets import RowTargets
+from contrastive_dist.losses._targets import SMALL_KEYS, comparable_keys, pair_targets, small_keys_flag
 
 __all__ = ["SigLIPLoss", "siglip"]
 
@@ -37,6 +40,7 @@ class _Arguments(NamedTuple):
     bias: Tensor
     chunk_size: int | None
     weights: Tensor | None
+    ids: Tensor | None
 
 
 def siglip(
@@ -51,6 +55,8 @@ def siglip(
     weight: Tensor | None = None,
     reduction: Reduction = "mean",
     communication: Communication = "gather",
+    ids: Tensor | None = None,
+    same_id: SameId = "mask",
 ) -> Tensor:
     """Sigmoid loss of this rank's images against every rank's texts; exact under data parallelism.
 
@@ -64,6 +70,10 @@ def siglip(
     Features are used as given (normalise them in the model). With ``chunk_size``, rows are
     processed ``chunk_size`` at a time against all texts and their gradients formed on the
     spot, so at most ``chunk_size × N`` logits exist at once, at no extra matrix product.
+
+    **Sample ids.** ``ids`` gives each pair an int64 identity. With ``same_id="mask"`` (the default)
+    a pair ``(i, j)``, ``j ≠ i``, whose ids are equal is no term at all (neither a positive nor a
+    negative); with ``same_id="positive"`` every pair with equal ids is a positive: ``z_ij = +1``.
 
     **Weights and reduction.** An image row's loss is ``ℓ_i = Σ_j softplus(−z_ij · logit_ij)``,
     its pairs with all ``N`` texts, so the loss above is the mean of the ``ℓ_i``. With ``weight``
@@ -85,6 +95,8 @@ def siglip(
             ``torch.compile``, where it is trusted).
         weight: one weight ≥ 0 per local image row (no gradient); see above.
         reduction: ``"mean"`` (this rank's share of the global mean) or ``"none"`` (per-row losses).
+        ids: ``(n_r,)`` int64, one id per local pair, or ``None``; see above.
+        same_id: ``"mask"`` or ``"positive"``: what pairs with the same id are to each other.
         communication: ``"gather"`` gathers every rank's texts onto every rank (memory
             ``O(N·D + chunk·N)``); ``"ring"`` keeps them local and passes text blocks round the
             ring instead (memory ``O(n_r·D + chunk·max_r n_r)``, independent of the number of
@@ -118,6 +130,7 @@ def siglip(
         images, texts = check_pair("image_features", image_features, "text_features", text_features)
         check_reduction(reduction, weight)
         check_communication(communication)
+        check_same_id(same_id)
         return _Arguments(
             images,
             texts,
@@ -125,27 +138,34 @@ def siglip(
             scalar_tensor("logit_bias", logit_bias, images),
             check_chunk_size(chunk_size),
             check_weight(weight, images.shape[0], images),
+            check_ids("ids", ids, images.shape[0], images),
         )
 
     checked, problem = collect(arguments)
     layout = agree(
-        (image_features, text_features),
+        (image_features, text_features, *(() if ids is None else (ids,))),
         problem=problem,
         group=group,
         operation="siglip",
         options={"chunk_size": chunk_size, "communication": communication, "reduction": reduction,
-                 "weight": weight is not None},
+                 "weight": weight is not None, "ids": ids is not None, "same_id": same_id},
         sizes=sizes,
         total=None if checked is None else weight_total(checked.weights),
+        flags=0 if checked is None else small_keys_flag(checked.ids, compute_dtype(checked.images.dtype)),
     )
-    images, texts, scale, bias, chunk, weights = cast(_Arguments, checked)
+    images, texts, scale, bias, chunk, weights, pair_ids = cast(_Arguments, checked)
     with full_precision(images.device):
-        columns = meet(communication, layout, (upcast(texts),))
+        keys = None
+        if pair_ids is not None:
+            keys = comparable_keys(pair_ids, scale.dtype, layout.every_rank_has(SMALL_KEYS))
+        columns = meet(communication, layout, (upcast(texts), *(() if keys is None else (keys,))))
+        own_text = torch.arange(images.shape[0], device=images.device)
         pairs = Pairs(
             SIGMOID,
-            RowTargets(positive=torch.arange(images.shape[0], device=images.device)),  # its own text
+            pair_targets(own_text, keys=keys, same_id=same_id),
             columns.transport,
             chunk or max(images.shape[0], 1),
+            column_keys=None if keys is None else columns.tensors[1],
             key_rows=columns.rows,
         )
         direction = Direction(upcast(images), columns.tensors[0], scale, bias, pairs)
@@ -164,6 +184,8 @@ class SigLIPLoss(nn.Module):
         reduction: ``"mean"`` or ``"none"`` (per-row losses; the caller normalises).
         communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
             ranks; takes ``weight`` and ``reduction`` too); see :func:`siglip`.
+        same_id: what pairs with the same ``ids`` (given to ``forward``) are to each other:
+            ``"mask"`` or ``"positive"``; see :func:`siglip`.
 
     Shape:
         image_features, text_features: ``(n_r, D)``; logit_scale, logit_bias: ``()``;
@@ -185,12 +207,14 @@ class SigLIPLoss(nn.Module):
         group: ProcessGroup | None = None,
         reduction: Reduction = "mean",
         communication: Communication = "gather",
+        same_id: SameId = "mask",
     ) -> None:
         super().__init__()
         self.chunk_size = check_chunk_size(chunk_size)
         self.group = group
         self.reduction = check_reduction(reduction, None)
         self.communication = check_communication(communication)
+        self.same_id = check_same_id(same_id)
 
     def forward(
         self,
@@ -201,6 +225,7 @@ class SigLIPLoss(nn.Module):
         *,
         sizes: Sequence[int] | None = None,
         weight: Tensor | None = None,
+        ids: Tensor | None = None,
     ) -> Tensor:
         """Return this rank's share of the loss (or its per-row losses); see :func:`siglip`."""
         return siglip(
@@ -214,8 +239,13 @@ class SigLIPLoss(nn.Module):
             weight=weight,
             reduction=self.reduction,
             communication=self.communication,
+            ids=ids,
+            same_id=self.same_id,
         )
 
     def extra_repr(self) -> str:
         """Show the options in ``repr``."""
-        return f"chunk_size={self.chunk_size}, reduction={self.reduction!r}, communication={self.communication!r}"
+        return (
+            f"chunk_size={self.chunk_size}, reduction={self.reduction!r}, communication={self.communication!r}, "
+            f"same_id={self.same_id!r}"
+        )
