@@ -24,6 +24,8 @@ the same with every transfer waited for before computing on the block (no overla
 lives only here: the difference to ``clip_ring_chunk256`` is the transfer time the overlap hides.
 ``clip_negatives_chunk256`` and ``clip_ring_negatives_chunk256`` add ``n`` own hard negatives per
 rank (``negatives=``, with gradient; the texts rolled by one row), gathered or sent round the ring.
+``clip_*ids_mask_chunk256`` / ``clip_*ids_positive_chunk256`` pass sample ids (one id per 4 rows,
+overlapping between neighbouring ranks) with ``same_id="mask"`` / ``"positive"``.
 ``--by-ranks METHOD`` ends with one table of peak memory and time against W, with ratios to METHOD.
 
 Baselines (optional; a row says "missing" when the package is not installed):
@@ -69,6 +71,10 @@ METHODS = (
     "clip_ring_chunk256_wait",
     "clip_negatives_chunk256",
     "clip_ring_negatives_chunk256",
+    "clip_ids_mask_chunk256",
+    "clip_ids_positive_chunk256",
+    "clip_ring_ids_mask_chunk256",
+    "clip_ring_ids_positive_chunk256",
     "open_clip_local",
     "open_clip_default",
     "gemm_floor",
@@ -118,13 +124,14 @@ def _build(method: str, rank: int, world_size: int, dim: int) -> Callable[..., t
 
     if method.startswith("clip_ring"):
         chunk = int(method.split("chunk")[1].split("_")[0]) if "chunk" in method else None
-        ring = DistributedInfoNCE(chunk_size=chunk, communication="ring")
+        same_id = "positive" if "_positive" in method else "mask"
+        ring = DistributedInfoNCE(chunk_size=chunk, communication="ring", same_id=same_id)
         shift = _shift_then_wait if method.endswith("_wait") else _OVERLAPPING_SHIFT
 
         def ring_loss(images: torch.Tensor, texts: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
             # Only in this worker process: ``_wait`` waits for every transfer before computing (no overlap).
             _ring.Ring.shift = shift  # type: ignore[method-assign]
-            return ring(images, texts, scale, negatives=_hard_negatives(method, texts))
+            return ring(images, texts, scale, negatives=_hard_negatives(method, texts), **_ids(method, rank, texts))
 
         return ring_loss
     if method.startswith("clip"):
@@ -140,8 +147,10 @@ def _build(method: str, rank: int, world_size: int, dim: int) -> Callable[..., t
                 return rows_criterion(images, texts, scale).sum() * (world_size / total)
 
             return recompute
-        criterion = DistributedInfoNCE(chunk_size=chunk)
-        return lambda images, texts, scale: criterion(images, texts, scale, negatives=_hard_negatives(method, texts))
+        criterion = DistributedInfoNCE(chunk_size=chunk, same_id="positive" if "_positive" in method else "mask")
+        return lambda images, texts, scale: criterion(
+            images, texts, scale, negatives=_hard_negatives(method, texts), **_ids(method, rank, texts)
+        )
     if method == "ntxent_chunk256":
         ntxent = NTXentLoss(chunk_size=256)
         return lambda images, texts, scale: ntxent(images, texts)
@@ -166,6 +175,13 @@ def _build(method: str, rank: int, world_size: int, dim: int) -> Callable[..., t
 
 
 _OVERLAPPING_SHIFT = _ring.Ring.shift
+
+
+def _ids(method: str, rank: int, texts: torch.Tensor) -> dict[str, torch.Tensor]:
+    """For the ``_ids`` methods: sample ids with duplicates, one id per 4 rows, shared across ranks too."""
+    if "_ids" not in method:
+        return {}
+    return {"ids": (torch.arange(texts.shape[0]) + rank * 2) // 4}
 
 
 def _hard_negatives(method: str, texts: torch.Tensor) -> torch.Tensor | None:

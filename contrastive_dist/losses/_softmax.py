@@ -7,9 +7,9 @@ state keeps five numbers, merged exactly from block to block::
 
     m       the running maximum of the candidates' logits
     rest    Σ exp(l_j − m) over the candidates *not* counted in ``exact``
-    exact   the part of the sum known without rounding: the single positive's own term
-            ``exp(l_p − m)`` (exactly 1 when it is the maximum), or, for positives given by equal
-            keys, the number of candidates equal to the maximum (each term exactly 1)
+    exact   the part of the sum known without rounding: the term of the row's own pair
+            ``exp(l_p − m)`` (exactly 1 when it is the maximum), or, for rows without one (SupCon's
+            anchors), the number of candidates equal to the maximum (each term exactly 1)
     pos_sum, pos_count   Σ l_ip over the positives seen so far, and their number
 
 so that ``ℓ_i = (m − pos_sum / pos_count) + log1p(rest + (exact − 1))``: both parts are ≥ 0, a row
@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from contrastive_dist.losses._targets import Targets
+from contrastive_dist.losses._targets import MASKED, Targets
 
 __all__ = ["WIDTH", "block_state_", "empty_state", "finish", "gradient_", "has_positive", "merge_", "numerators_"]
 
@@ -71,7 +71,7 @@ def block_state_(logits: Tensor, targets: Targets, positive_mask: Tensor | None)
         ``(c, WIDTH)`` state of the rows over this block alone.
     """
     state = logits.new_zeros((logits.shape[0], WIDTH))
-    positive = targets.positive if positive_mask is None else None
+    positive = targets.positive
     if positive_mask is not None:
         # The positives' logits before the shift; excluded columns are not positives (the mask says so).
         state[:, _POSITIVE_SUM] = torch.mul(positive_mask, logits).sum(dim=1)
@@ -82,19 +82,20 @@ def block_state_(logits: Tensor, targets: Targets, positive_mask: Tensor | None)
     targets.exclude_(logits)
     # amax, not max(dim) with indices: the latter costs as much as the exp pass on CPU.
     row_max = logits.amax(dim=1)
+    row_max = torch.where(row_max < -0.5 * MASKED, float("-inf"), row_max)  # no candidate in this block
     state[:, _MAX] = row_max
     shifted = logits.sub_(_finite(row_max)[:, None])
-    if positive_mask is None:
+    if positive is not None:
+        # The row's own pair's term (exactly 1 when it is the maximum) stays out of the sum, counted
+        # exactly; with positives by key it is one of them, and any other makes the loss ≥ log 2.
         numerators = shifted.exp_()
-        if positive is not None:
-            # The positive's own term (exactly 1 when it is the maximum) stays out of the sum, counted exactly.
-            own = positive.read(numerators)
-            positive.write_(numerators, 0.0)
-            state[:, _REST] = numerators.sum(dim=1)
-            state[:, _EXACT] = own
-            positive.write_(numerators, own)
-        else:
-            state[:, _REST] = numerators.sum(dim=1)
+        own = positive.read(numerators)
+        positive.write_(numerators, 0.0)
+        state[:, _REST] = numerators.sum(dim=1)
+        state[:, _EXACT] = own
+        positive.write_(numerators, own)
+    elif positive_mask is None:
+        state[:, _REST] = shifted.exp_().sum(dim=1)
     else:
         # The maxima's terms (each exactly 1) stay out of the sum and are counted instead, ties included.
         # (Comparisons written into a float tensor: several times faster than bool masks on CPU.)

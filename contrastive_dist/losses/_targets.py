@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "MASKED",
     "SMALL_KEYS",
     "KeyRule",
     "Located",
@@ -26,6 +27,10 @@ __all__ = [
     "pair_targets",
     "small_keys_flag",
 ]
+
+MASKED = 1e30
+"""What a masked column's logit is lowered by: far below any candidate, so that its term is exactly 0.
+A row whose largest logit in a block is below ``-MASKED / 2`` has no candidate there."""
 
 SMALL_KEYS = 1
 """Agreement flag: this rank's keys are integers that the core's float dtype holds exactly."""
@@ -145,7 +150,9 @@ class Targets(NamedTuple):
         if self.key_rule == "mask" and (same := self._same_key(logits)) is not None:
             if self.positive is not None:
                 self.positive.write_(same, 0.0)
-            logits.masked_fill_(same.bool(), float("-inf"))
+            # Pushed below any candidate by MASKED instead of set to -inf: one multiply-add pass, several
+            # times faster than a masked fill on CPU; their exponentials underflow to exactly 0.
+            logits.add_(same, alpha=-MASKED)
         if self.excluded is not None:
             self.excluded.write_(logits, float("-inf"))
 
@@ -213,10 +220,9 @@ def pair_targets(
     """Rows with one positive column each (their pair), and, with ``keys`` (ids), what equal ids mean.
 
     ``same_id="mask"``: other columns with the row's id are left out, its positive stays;
-    ``"positive"``: every column with the row's id is a positive (the single positive is then one of
-    them: the caller gives the pair the same id). ``column_positive``: ring mode's columns have
-    losses of their own, each with the row of the same index as its positive.
+    ``"positive"``: every column with the row's id is a positive (its own pair among them: a pair
+    shares its id); the pair still locates the exact part of the row's sum. ``column_positive``:
+    ring mode's columns have losses of their own, each with the row of the same index as its pair.
     """
-    if keys is not None and same_id == "positive":
-        return RowTargets(excluded=excluded, keys=keys, key_rule="positive")
-    return RowTargets(positive, excluded, keys, "mask", positive if column_positive else None)
+    rule: KeyRule = "positive" if keys is not None and same_id == "positive" else "mask"
+    return RowTargets(positive, excluded, keys, rule, positive if column_positive else None)
