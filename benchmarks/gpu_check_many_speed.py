@@ -113,11 +113,14 @@ def loss_speed(rank: int, world_size: int, device: torch.device, sizes: Sizes, p
     for loss in LOSSES:
         methods = [("open_clip", open_clip_loss(loss, rank=rank, world_size=world_size))]
         methods += [(f"ours {mode}", ours(loss, chunk_size=chunk, communication=mode)) for mode in COMMUNICATIONS]
-        theirs = None
+        open_clip_ms = None
         for label, fn in methods:
             fields = _timed(fn, sizes.loss_rows, device, sizes, point_seconds, seed=rank)
-            theirs = fields.get("time_ms") if label == "open_clip" else theirs
-            ratio = fields["time_ms"] / theirs if theirs and "time_ms" in fields and label != "open_clip" else None
+            ratio = None
+            if label == "open_clip":
+                open_clip_ms = fields.get("time_ms")
+            elif open_clip_ms and "time_ms" in fields:
+                ratio = fields["time_ms"] / open_clip_ms
             compute = PRECISIONS["bf16"].open_clip if label == "open_clip" else PRECISIONS["bf16"].ours
             yield {"check": f"{loss}: {label}", "dtype": "bfloat16", "compute": compute, "ranks": world_size,
                    "batch": sizes.loss_rows * world_size, "chunk_size": None if label == "open_clip" else chunk,
@@ -199,8 +202,11 @@ def sweep(rank: int, world_size: int, device: torch.device, sizes: Sizes, deadli
                 last[mode] = (batch, fields["time_ms"] / 1e3)
             else:
                 out_of_memory.add(mode)
-            gather_ms = fields.get("time_ms") if mode == "gather" else gather_ms
-            ratio = fields["time_ms"] / gather_ms if mode == "ring" and gather_ms and "time_ms" in fields else None
+            ratio = None
+            if mode == "gather":
+                gather_ms = fields.get("time_ms")
+            elif gather_ms and "time_ms" in fields:
+                ratio = fields["time_ms"] / gather_ms
             measured.append({**row, **fields, "ratio": ratio})
             yield measured[-1]
     yield from published()

@@ -89,10 +89,11 @@ def speed(device: torch.device, sizes: Sizes, deadline: Deadline, point_seconds:
                         break
                     del x
                     last = (batch, timing.time_ms / 1e3)
+                    ratio = None
                     if label == "open_clip":
                         open_clip_ms[batch] = timing.time_ms
-                    ratio = timing.time_ms / open_clip_ms[batch] if batch in open_clip_ms and label != "open_clip" \
-                        else None
+                    elif batch in open_clip_ms:
+                        ratio = timing.time_ms / open_clip_ms[batch]
                     yield {**row, "time_ms": timing.time_ms, "peak_mib": timing.peak_mib, "repeats": timing.repeats,
                            "ratio": ratio}
 

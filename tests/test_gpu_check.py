@@ -120,6 +120,12 @@ def test_a_failing_section_costs_only_its_rows_and_earlier_rows_are_already_on_d
     assert len(_section(rows, "published")) == 3  # the next section still ran
 
 
+def test_past_the_time_budget_every_measurement_is_skipped_with_a_row_saying_so() -> None:
+    report = _module("gpu_check_report")
+    rows = list(_module("gpu_check_one").speed(torch.device("cpu"), report.TINY, report.Deadline(0.0), 0.02))
+    assert len(rows) == 24 and all(row["note"] == "skipped: past the time budget (--time-budget)" for row in rows)
+
+
 def ranks_on_cpu(rank: int, world_size: int, csv_path: str) -> list[dict[str, Any]]:
     """The multi-rank sections at tiny sizes; the gather's timing fails on rank 1 after its rows."""
     gpu_check, many_speed = _module("gpu_check"), _module("gpu_check_many_speed")
