@@ -133,6 +133,18 @@ def _bad_input_on_one_rank(rank: int, world_size: int) -> dict[str, object]:
         "per-rank BatchNorm": lambda: grad_cache(flat, x, mini_batch_size=2),
     }
     outcome: dict[str, object] = {**error_outcomes(calls)}
+
+    class FailsOnRankTwo(nn.Module):  # e.g. out of memory on one rank: the others must not wait for it
+        def forward(self, x: Tensor) -> Tensor:
+            if rank == 2:
+                raise RuntimeError("simulated out of memory")
+            return x.flatten(1)  # no collective of its own, which a failing rank would leave unmatched
+
+    try:
+        grad_cache(FailsOnRankTwo(), x, mini_batch_size=2)
+        outcome["runtime error"] = ("no error", "")
+    except RuntimeError as error:
+        outcome["runtime error"] = (type(error).__name__, str(error).split("\n")[0])
     outcome["after"] = float(grad_cache(ImageTower(0.0).double(), torch.randn(SHARDS[rank], 6, dtype=torch.float64),
                                         mini_batch_size=2).sum())  # the group still works
     return outcome
@@ -148,6 +160,8 @@ def test_bad_input_on_one_rank_raises_the_same_error_on_every_rank(pool: Callabl
         "output rows": ("ValueError", "(2 rows in this mini-batch), got shapes [(4, 5)] (on rank 0;"),
         "synchronized BatchNorm": ("ValueError", "raised ValueError on a mini-batch of 1 rows: Expected more than 1"),
         "per-rank BatchNorm": ("ValueError", "raised ValueError on a mini-batch of 1 rows: Expected more than 1"),
+        "runtime error": ("RuntimeError", "raised RuntimeError on a mini-batch of 2 rows: simulated out of memory "
+                          "(on rank 2;"),
     }
     for rank, outcome in enumerate(per_rank):
         assert isinstance(outcome, dict), f"rank {rank}: {outcome!r}"

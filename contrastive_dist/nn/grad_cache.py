@@ -14,7 +14,9 @@ samplers do: ``DistributedBatchSampler.sizes(step)``, ``contrastive_dist.lightni
 communication at all. Without ``sizes=``, one all-gather of three integers per rank (status, rows,
 ``mini_batch_size``) tells every rank the largest batch, and makes bad input or a ``mini_batch_size``
 that differs between ranks raise the same error everywhere; a second one of one integer after the
-encodes does the same for bad module outputs. Both are tiny next to one encoder forward.
+encodes does the same for bad module outputs and for an error the module raised on some ranks only
+(a per-rank BatchNorm given one row). Both are tiny next to one encoder forward; on an accelerator
+each costs one host synchronisation, which ``sizes=`` avoids.
 """
 
 from __future__ import annotations
@@ -91,7 +93,10 @@ def grad_cache(
             not an ``nn.Module`` (or a method of one) or returns something other than tensors.
         ValueError: ``mini_batch_size`` < 1 or not the same on every rank, inputs with different
             leading sizes, outputs whose leading size is not the mini-batch's. Without ``sizes=``,
-            raised on every rank of ``group``.
+            these are raised on every rank of ``group``, and so is an error the module raised on
+            some ranks only (its type if a ``ValueError``/``TypeError``, else ``RuntimeError``,
+            naming the rank and the message), unless that rank skipped a collective of the
+            module's own; otherwise the module's error is raised as it is.
 
     Shape:
         inputs: ``(n, *)`` each, ``n`` may be 0 (an empty rank still encodes in step).
