@@ -81,11 +81,7 @@ class Squares(Dataset):
 
 
 class CLIP(nn.Module):
-    """Image and text towers into one embedding space; a learnable temperature, clamped at 100 as in CLIP.
-
-    ``grad_cache=M`` > 0: in training, each tower encodes M rows at a time without keeping activations
-    and re-encodes them in backward (``contrastive_dist.grad_cache``), inside DDP's forward.
-    """
+    """Image and text towers into one embedding space; a learnable temperature, clamped at 100 as in CLIP."""
 
     def __init__(self, embed_dim: int = 64, grad_cache: int = 0) -> None:
         super().__init__()
@@ -109,7 +105,7 @@ class CLIP(nn.Module):
 
     def forward(self, images: Tensor, tokens: Tensor,
                 sizes: Sequence[int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        if self.mini_batch_size and self.training:
+        if self.mini_batch_size and self.training:  # --grad-cache M: M rows at a time, inside DDP's forward
             image = grad_cache(self.encode_image, images, mini_batch_size=self.mini_batch_size, sizes=sizes)
             text = grad_cache(self.encode_text, tokens, mini_batch_size=self.mini_batch_size, sizes=sizes)
         else:

@@ -23,7 +23,7 @@ COMMON = ["--train-size", "33", "--val-size", "8", "--batch-size", "8", "--optim
           "--max-steps", "6", "--val-every", "100", "--no-plots"]
 
 
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(330)  # two runs of at most 150 s each (see test_recipes.run)
 def test_clip_with_grad_cache_trains_to_the_weights_of_plain_training(tmp_path: Path) -> None:
     flags = [*TINY_CLIP, "--image-size", "32", "--norm", "group", "--precision", "64-true", *COMMON]
     for name, extra in (("plain", []), ("cached", ["--grad-cache", "3"])):  # mini-batches of 3, 3, 2 rows
@@ -35,7 +35,7 @@ def test_clip_with_grad_cache_trains_to_the_weights_of_plain_training(tmp_path: 
     assert not any(key.endswith("running_mean") for key in plain)  # no batch statistics in this backbone
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(480)  # three runs of at most 150 s each (see test_recipes.run)
 def test_simclr_with_grad_cache_one_mini_batch_is_exact_and_smaller_ones_train(tmp_path: Path) -> None:
     flags = [*TINY_SIMCLR, "--bank-size", "16", "--precision", "64-true", *COMMON]
     # 2 views × 8 images = 16 rows per rank: M=16 is one mini-batch, M=6 three (6, 6, 4 rows), in bf16-mixed.
@@ -61,7 +61,7 @@ def torchrun(cwd: Path, *args: str) -> str:
     return result.stdout
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(480)  # three runs of at most 150 s each
 def test_torchrun_recipe_with_grad_cache(tmp_path: Path) -> None:
     torchrun(tmp_path, "--output-dir", "plain")
     torchrun(tmp_path, "--output-dir", "one", "--grad-cache", "8")  # one mini-batch of the 8 rows per rank
