@@ -5,7 +5,7 @@ The package is layered, bottom to top (each layer imports only the ones below it
 * :mod:`contrastive_dist.engine`: raw transports (collectives, ring hops), the agreement every rank
   reaches before data moves, and the differentiable gather built on them;
 * :mod:`contrastive_dist.losses`: each loss defined once, over either transport;
-* :mod:`contrastive_dist.nn`: synchronized BatchNorm;
+* :mod:`contrastive_dist.nn`: synchronized BatchNorm, the gradient cache;
 * :mod:`contrastive_dist.data`: drop-last-free sampling and streaming;
 * :mod:`contrastive_dist.queue`, :mod:`contrastive_dist.metrics`: a memory queue of past keys, retrieval accuracy;
 * :mod:`contrastive_dist.lightning`, :mod:`contrastive_dist.testing`: integrations (Lightning, gloo test processes).
@@ -38,6 +38,7 @@ from contrastive_dist.losses import (
 )
 from contrastive_dist.metrics import retrieval_accuracy
 from contrastive_dist.nn import norm as _norm
+from contrastive_dist.nn.grad_cache import grad_cache
 from contrastive_dist.nn.norm import SyncBatchNorm, convert_sync_batchnorm
 from contrastive_dist.queue import DistributedMemoryQueue
 
@@ -78,6 +79,7 @@ __all__ = [
     "scatter_to_group",
     "SyncBatchNorm",
     "convert_sync_batchnorm",
+    "grad_cache",
     "DistributedBatchSampler",
     "DistributedShardList",
     "DistributedStreamingBatches",

@@ -25,7 +25,9 @@ torchrun (Lightning reads the torchelastic environment; devices and nodes follow
 
 Real data: ``--data csv:PATH`` with ``filepath`` and ``title`` columns (tab or comma separated;
 ``--csv-image-column``/``--csv-caption-column`` rename them); the last ``--val-size`` rows are held
-out. Resume: ``--resume runs/clip/checkpoints/last.ckpt`` (mid-epoch is fine).
+out. Resume: ``--resume runs/clip/checkpoints/last.ckpt`` (mid-epoch is fine). Batches beyond what the
+activations allow: ``--grad-cache M`` encodes M rows at a time and re-encodes them in backward
+(``contrastive_dist.grad_cache``; exact with ``--norm group``, BatchNorm sees M-row statistics).
 
 Sharded streams: ``--data webdataset:PATH``, PATH a directory of ``.tar`` shards or a brace pattern
 (``shards/{000000..000999}.tar``; URLs and ``pipe:`` commands as webdataset reads them). Each sample
@@ -58,6 +60,7 @@ import torch
 import torch.nn.functional as F
 from shared import (
     BACKBONES,
+    NORMS,
     ShapesDataset,
     fit,
     make_trainer,
@@ -73,7 +76,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
-from contrastive_dist import DistributedInfoNCE, convert_sync_batchnorm, retrieval_accuracy
+from contrastive_dist import DistributedInfoNCE, convert_sync_batchnorm, grad_cache, retrieval_accuracy
 from contrastive_dist.lightning import distributed_loader, step_sizes, streaming_loader
 
 # -- data -----------------------------------------------------------------------------------------
@@ -289,7 +292,7 @@ class CLIP(L.LightningModule):
     def __init__(self, args: argparse.Namespace, train_set: Dataset | Shards, val_set: Any) -> None:
         super().__init__()
         self.args, self.train_set, self.val_set = args, train_set, val_set
-        image_tower, features = small_image_resnet(args.backbone, width=args.width)
+        image_tower, features = small_image_resnet(args.backbone, width=args.width, norm=args.norm)
         self.image_tower = image_tower if args.no_sync_bn else convert_sync_batchnorm(image_tower)
         self.image_projection = nn.Linear(features, args.embed_dim, bias=False)
         self.text_tower = TextTransformer(width=args.text_width, context_length=args.context_length)
@@ -310,17 +313,26 @@ class CLIP(L.LightningModule):
         return distributed_loader(self.val_set, self.trainer, batch_size=self.args.batch_size, shuffle=False,
                                   collate_fn=self.collate, num_workers=self.args.num_workers)
 
+    def encode_image(self, images: Tensor) -> Tensor:
+        return F.normalize(self.image_projection(self.image_tower(images)).float(), dim=-1)
+
+    def encode_text(self, tokens: Tensor) -> Tensor:
+        return F.normalize(self.text_projection(self.text_tower(tokens)).float(), dim=-1)
+
     def encode(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        image = self.image_projection(self.image_tower(images))
-        text = self.text_projection(self.text_tower(tokens))
-        return F.normalize(image.float(), dim=-1), F.normalize(text.float(), dim=-1)
+        return self.encode_image(images), self.encode_text(tokens)
 
     def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
         images, tokens, _ = batch  # the last step of an epoch may leave this rank 0 rows
-        image, text = self.encode(images, tokens)
+        sizes = step_sizes(self.trainer, batch_idx)
+        if self.args.grad_cache:  # --grad-cache M: each tower encodes M rows at a time, re-encoded in backward
+            image = grad_cache(self.encode_image, images, mini_batch_size=self.args.grad_cache, sizes=sizes)
+            text = grad_cache(self.encode_text, tokens, mini_batch_size=self.args.grad_cache, sizes=sizes)
+        else:
+            image, text = self.encode(images, tokens)
         scale = self.logit_scale.clamp(max=math.log(100)).exp()  # CLIP's clamp, inside the graph
         # The mean over ranks of the per-rank losses is the single-process loss of the global batch.
-        loss = self.loss(image, text, scale, sizes=step_sizes(self.trainer, batch_idx))
+        loss = self.loss(image, text, scale, sizes=sizes)
         self.log("train/loss", loss.detach(), sync_dist=True, prog_bar=True)
         self.log("train/logit_scale", scale.detach(), rank_zero_only=True)
         return loss
@@ -398,6 +410,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     data.add_argument("--train-size", type=int, default=8192, help="generated training samples")
     data.add_argument("--val-size", type=int, default=256, help="held-out samples (distinct captions; CSV: last rows)")
     data.add_argument("--backbone", choices=BACKBONES, default="resnet-small", help="image tower")
+    data.add_argument("--norm", choices=NORMS, default="batch",
+                      help="the image tower's normalization; group: no batch statistics, so --grad-cache is exact")
     data.add_argument("--width", type=int, default=16, help="resnet-small base width")
     data.add_argument("--text-width", type=int, default=64, help="text transformer width")
     data.add_argument("--embed-dim", type=int, default=64, help="shared embedding dimension")

@@ -9,6 +9,8 @@ per-rank sizes, and held-out image→text / text→image recall at the end.
     torchrun --standalone --nproc-per-node 8 recipes/clip_torchrun.py --batch-size 256  # GPUs: NCCL
     torchrun --standalone --nproc-per-node 2 recipes/clip_torchrun.py --max-steps 600 \\
         --resume runs/clip_torchrun/checkpoint.pt                                       # continue a run
+    torchrun --standalone --nproc-per-node 2 recipes/clip_torchrun.py --batch-size 1024 \\
+        --grad-cache 64                                     # activations of 64 rows at a time (grad_cache)
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -33,6 +36,7 @@ from contrastive_dist import (
     DistributedInfoNCE,
     EmptySafeCollate,
     convert_sync_batchnorm,
+    grad_cache,
     retrieval_accuracy,
 )
 
@@ -79,8 +83,9 @@ class Squares(Dataset):
 class CLIP(nn.Module):
     """Image and text towers into one embedding space; a learnable temperature, clamped at 100 as in CLIP."""
 
-    def __init__(self, embed_dim: int = 64) -> None:
+    def __init__(self, embed_dim: int = 64, grad_cache: int = 0) -> None:
         super().__init__()
+        self.mini_batch_size = grad_cache
 
         def block(channels_in: int, channels_out: int, stride: int) -> list[nn.Module]:
             return [nn.Conv2d(channels_in, channels_out, 3, stride, 1, bias=False), nn.BatchNorm2d(channels_out),
@@ -92,9 +97,19 @@ class CLIP(nn.Module):
         self.text = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, embed_dim))
         self.logit_scale = nn.Parameter(torch.tensor(1 / 0.07).log())
 
-    def forward(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        image = F.normalize(self.image(images), dim=-1)
-        text = F.normalize(self.text(self.words(tokens)), dim=-1)
+    def encode_image(self, images: Tensor) -> Tensor:
+        return F.normalize(self.image(images), dim=-1)
+
+    def encode_text(self, tokens: Tensor) -> Tensor:
+        return F.normalize(self.text(self.words(tokens)), dim=-1)
+
+    def forward(self, images: Tensor, tokens: Tensor,
+                sizes: Sequence[int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        if self.mini_batch_size and self.training:  # --grad-cache M: M rows at a time, inside DDP's forward
+            image = grad_cache(self.encode_image, images, mini_batch_size=self.mini_batch_size, sizes=sizes)
+            text = grad_cache(self.encode_text, tokens, mini_batch_size=self.mini_batch_size, sizes=sizes)
+        else:
+            image, text = self.encode_image(images), self.encode_text(tokens)
         return image, text, self.logit_scale.clamp(max=math.log(100)).exp()
 
 
@@ -120,9 +135,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights, the data and their order")
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
     parser.add_argument("--checkpoint-every", type=int, default=50, help="write the checkpoint every N steps")
+    parser.add_argument("--grad-cache", type=int, default=0, metavar="M",
+                        help="encode M rows at a time and re-encode in backward: the activation memory of M rows, "
+                        "the same gradient except through BatchNorm (M-row statistics); 0: off")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/clip_torchrun"), help="checkpoint.pt goes here")
     parser.add_argument("--resume", type=Path, default=None, help="checkpoint.pt to continue from (mid-epoch is fine)")
     args = parser.parse_args()
+    if args.grad_cache < 0:
+        parser.error(f"--grad-cache must be >= 0, got {args.grad_cache}")
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")  # torchrun sets rank, world size and the rendezvous
@@ -132,7 +152,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     torch.manual_seed(args.seed)
     # Exact global BatchNorm statistics on every backend, for any (even empty) per-rank batch.
-    model = convert_sync_batchnorm(CLIP()).to(device)
+    model = convert_sync_batchnorm(CLIP(grad_cache=args.grad_cache)).to(device)
     ddp_model = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     criterion = DistributedInfoNCE()
@@ -162,9 +182,10 @@ def main() -> None:
     while step < args.max_steps:
         sampler.set_epoch(epoch)  # a new order each epoch; keeps a resumed position in this epoch
         for batch_index, (images, tokens, _) in enumerate(loader, start=first):
-            image, text, scale = ddp_model(images.to(device), tokens.to(device))
-            # The sizes of this step on every rank: the loss skips its size exchange.
-            loss = criterion(image, text, scale, sizes=sampler.sizes(batch_index))
+            # The sizes of this step on every rank: the loss (and --grad-cache) skip their size exchange.
+            sizes = sampler.sizes(batch_index)
+            image, text, scale = ddp_model(images.to(device), tokens.to(device), sizes=sizes)
+            loss = criterion(image, text, scale, sizes=sizes)
             optimizer.zero_grad()
             loss.backward()  # DDP averages the per-rank losses' gradients: the global batch's gradient
             optimizer.step()

@@ -129,35 +129,51 @@ def normalize(images: Tensor) -> Tensor:
 # -- the image backbone ---------------------------------------------------------------------------
 
 BACKBONES = ("resnet-small", "resnet18")
+NORMS = ("batch", "group")
 
 
-def small_image_resnet(name: str, *, width: int = 32, stem_stride: int = 2) -> tuple[nn.Module, int]:
+def group_norm(channels: int) -> nn.Module:
+    """GroupNorm with up to 8 groups: per-sample statistics, so mini-batching (``--grad-cache``) changes nothing."""
+    return nn.GroupNorm(math.gcd(8, channels), channels)
+
+
+def small_image_resnet(name: str, *, width: int = 32, stem_stride: int = 2,
+                       norm: str = "batch") -> tuple[nn.Module, int]:
     """A torchvision ResNet for small images → ``(module, feature_dim)``; input ``(n, 3, H, W)``, ``n`` may be 0.
 
     ``"resnet18"``: torchvision's (random init) with a 3×3 stride-1 stem and no max-pool (the usual
     CIFAR change). ``"resnet-small"``: one ``BasicBlock`` per stage, widths ``width·(1, 2, 4, 8)``, a
-    few MFLOPs per image, so the default runs train in minutes on a laptop CPU.
+    few MFLOPs per image, so the default runs train in minutes on a laptop CPU. ``norm="group"``
+    puts :func:`group_norm` where BatchNorm would be.
     """
+    norm_layer = nn.BatchNorm2d if norm == "batch" else group_norm
     if name == "resnet18":
-        net = resnet18(weights=None)
+        net = resnet18(weights=None, norm_layer=norm_layer)
         net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
         net.maxpool = nn.Identity()  # type: ignore[assignment]
         net.fc = nn.Identity()  # type: ignore[assignment]
         return net, 512
     layers: list[nn.Module] = [nn.Conv2d(3, width, 3, stride=stem_stride, padding=1, bias=False),
-                               nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
+                               norm_layer(width), nn.ReLU(inplace=True)]
     channels = width
     for stage in range(4):
         out, stride = width * 2**stage, 1 if stage == 0 else 2
         downsample = None
         if stride != 1 or channels != out:
-            downsample = nn.Sequential(nn.Conv2d(channels, out, 1, stride=stride, bias=False), nn.BatchNorm2d(out))
-        layers.append(BasicBlock(channels, out, stride=stride, downsample=downsample))
+            downsample = nn.Sequential(nn.Conv2d(channels, out, 1, stride=stride, bias=False), norm_layer(out))
+        layers.append(BasicBlock(channels, out, stride=stride, downsample=downsample, norm_layer=norm_layer))
         channels = out
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten()), channels
 
 
 # -- flags, Trainer, optimizer --------------------------------------------------------------------
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
+    return value
 
 
 def training_flags(parser: argparse.ArgumentParser, *, batch_size: int, lr: float, max_steps: int,
@@ -185,6 +201,10 @@ def training_flags(parser: argparse.ArgumentParser, *, batch_size: int, lr: floa
                        help="the loss's communication: ring keeps per-rank memory independent of the number of "
                        "processes (same loss and gradients; README, 'Ring mode')")
     train.add_argument("--no-sync-bn", action="store_true", help="per-rank BatchNorm statistics, not global ones")
+    train.add_argument("--grad-cache", type=non_negative_int, default=0, metavar="M",
+                       help="encode each batch M rows at a time, without keeping activations, and re-encode in "
+                       "backward (contrastive_dist.grad_cache): the activation memory of M rows, the same gradient "
+                       "except through BatchNorm, which then sees M-row statistics; 0: off")
     train.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
     train.add_argument("--val-every", type=int, default=val_every,
                        help="evaluate on the held-out split every N steps, and always after the last step")

@@ -14,7 +14,8 @@ Read this file and ``shared.py`` (shapes, backbone, flags, Trainer, report).
 and a :class:`contrastive_dist.DistributedMemoryQueue` of the last ``K`` keys of the global batches
 as extra negatives (see :class:`SimCLR`). ``--communication ring`` sends the NT-Xent embeddings
 round the ring instead of gathering them (same loss and gradients, per-rank memory independent of
-the number of processes).
+the number of processes). ``--grad-cache M`` encodes M images at a time without keeping activations
+and re-encodes them in backward (``contrastive_dist.grad_cache``; BatchNorm then sees M-image statistics).
 
 One machine, CPU (2 processes, gloo) or all visible GPUs::
 
@@ -70,6 +71,7 @@ from contrastive_dist import (
     NTXentLoss,
     all_gather_many,
     convert_sync_batchnorm,
+    grad_cache,
 )
 from contrastive_dist.lightning import distributed_loader, step_sizes
 
@@ -194,15 +196,18 @@ def knn_accuracy(bank: Tensor, bank_labels: Tensor, queries: Tensor, query_label
     return (votes.argmax(1) == query_labels).float().mean().item()
 
 
+def embed(backbone: nn.Module, head: nn.Module, images: Tensor) -> Tensor:
+    """``(m, C, H, W)`` → ``(m, D)`` projections; half precision is computed in float32 from here on (float64 stays)."""
+    projections = head(backbone(images))
+    return projections.to(torch.promote_types(projections.dtype, torch.float32))
+
+
 def project(backbone: nn.Module, head: nn.Module, views: Tensor) -> Tensor:
     """``(2·n, C, H, W)`` views, both views of the step in one forward → ``(2, n, D)`` projections.
 
     One forward for both views: BatchNorm sees the 2·N images of the global batch, as in SimCLR.
-    Half precision is computed in float32 from here on; float64 (``--precision 64-true``) stays.
     """
-    projections = head(backbone(views))
-    projections = projections.to(torch.promote_types(projections.dtype, torch.float32))
-    return rearrange(projections, "(view n) d -> view n d", view=2)
+    return rearrange(embed(backbone, head, views), "(view n) d -> view n d", view=2)
 
 
 class SimCLR(L.LightningModule):
@@ -254,7 +259,13 @@ class SimCLR(L.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
         views1, views2, _ = batch  # the last step of an epoch may leave this rank 0 images
         views = rearrange([views1, views2], "view n c h w -> (view n) c h w")
-        projections, sizes = project(self.backbone, self.head, views), step_sizes(self.trainer, batch_idx)
+        sizes = step_sizes(self.trainer, batch_idx)
+        if self.args.grad_cache:  # --grad-cache M: M images at a time (BatchNorm sees M-image statistics)
+            flat = grad_cache(self.embed_views, views, mini_batch_size=self.args.grad_cache,
+                              sizes=[2 * size for size in sizes])
+            projections = rearrange(flat, "(view n) d -> view n d", view=2)
+        else:
+            projections = project(self.backbone, self.head, views)
         if self.args.queue_size == 0:
             loss = self.loss(projections[0], projections[1], sizes=sizes)
         else:
@@ -279,6 +290,9 @@ class SimCLR(L.LightningModule):
         self.queue.enqueue(keys[1])
         self.log("train/queue_fill", float(len(self.queue)), rank_zero_only=True)
         return loss
+
+    def embed_views(self, views: Tensor) -> Tensor:
+        return embed(self.backbone, self.head, views)
 
     def query_parameters(self) -> list[nn.Parameter]:
         return [*self.backbone.parameters(), *self.head.parameters()]

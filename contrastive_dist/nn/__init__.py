@@ -1,1 +1,1 @@
-"""Layers that need every rank: synchronized BatchNorm, exact on uneven and empty ranks, on any backend."""
+"""Layers that need every rank (synchronized BatchNorm, exact on uneven and empty ranks); the gradient cache."""
