@@ -37,10 +37,12 @@ class Precision:
     open_clip: str
 
 
-# ``ours`` states the loss core's documented policy (features upcast to float32, autocast off
-# inside the core): bf16 features do not reach the bf16 tensor cores, open_clip's products do.
+# ``ours`` states the loss core's documented policy (contrastive_dist.losses._precision): bf16 features
+# enter the products as they are on CUDA (tensor cores, float32 results), are upcast on CPU; the
+# logits, running state and accumulators are float32 either way, with autocast off inside the core.
 PRECISIONS = {
-    "bf16": Precision("bf16", torch.bfloat16, True, False, "fp32 products of upcast bf16 features, TF32 off",
+    "bf16": Precision("bf16", torch.bfloat16, True, False,
+                      "bf16 operands (tensor cores on CUDA, upcast on CPU), fp32 logits and state",
                       "bf16 products, bf16 logits (autocast)"),
     "fp32": Precision("fp32", torch.float32, False, False, "IEEE fp32 products (TF32 off)",
                       "IEEE fp32 products (TF32 off)"),

@@ -36,6 +36,8 @@ from contrastive_dist import (
     siglip,
     supcon,
 )
+from contrastive_dist.losses import _kernel
+from contrastive_dist.losses._precision import PRODUCTS_VARIABLE, half_products
 
 COMMUNICATIONS = ("gather", "ring")
 
@@ -219,9 +221,15 @@ def _loss_on_features(
     return losses[kind]()
 
 
+@pytest.mark.parametrize("products", ["auto", "half"])
 @pytest.mark.parametrize("communication", COMMUNICATIONS)
 @pytest.mark.parametrize("precision", ["bfloat16", "float16", "float32_autocast_bf16"])
-def test_half_precision_and_autocast_match_float64_reference(precision: str, communication: str) -> None:
+def test_half_precision_and_autocast_match_float64_reference(
+    precision: str, communication: str, products: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # products="half": the route of bf16/fp16 features on CUDA (half operands, float32 results, the
+    # logit gradient rounded to the features' dtype), taken on CPU by the documented switch.
+    monkeypatch.setenv(PRODUCTS_VARIABLE, products)
     # The core runs in float32 with autocast off: the loss is as exact as in float32, and only
     # the gradients handed back to half-precision inputs are rounded to their dtype.
     dtype = getattr(torch, precision.split("_")[0])
@@ -406,3 +414,32 @@ def test_distinct_ids_give_the_loss_without_ids(communication: str) -> None:
     assert "same_id='positive'" in repr(SigLIPLoss(same_id="positive"))
     with pytest.raises(ValueError, match=r"same_id must be one of \('mask', 'positive'\), got 'pull'"):
         DistributedInfoNCE(same_id="pull")  # type: ignore[arg-type]
+
+
+def test_the_products_policy_keeps_half_features_on_cuda_and_upcasts_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    # (bf16 on CPU, fp16 on CUDA, fp32 on CUDA): half operands or not, per choice.
+    expected = {"auto": (False, True, False), "half": (True, True, False), "full": (False, False, False)}
+    for choice, decisions in expected.items():
+        monkeypatch.setenv(PRODUCTS_VARIABLE, choice)
+        cases = ((torch.bfloat16, cpu), (torch.float16, cuda), (torch.float32, cuda))
+        assert tuple(half_products(dtype, device) for dtype, device in cases) == decisions, choice
+    monkeypatch.setenv(PRODUCTS_VARIABLE, "tf32")
+    with pytest.raises(ValueError, match=r"CONTRASTIVE_DIST_PRODUCTS must be one of \('auto', 'full', 'half'\)"):
+        half_products(torch.bfloat16, cpu)
+    # Which operands the kernel's products get: half features stay half on the half route only.
+    seen: list[torch.dtype] = []
+    real_product = _kernel.product
+
+    def spy(first: Tensor, second: Tensor) -> Tensor:
+        seen.append(first.dtype)
+        return real_product(first, second)
+
+    monkeypatch.setattr(_kernel, "product", spy)
+    images = F.normalize(torch.randn(6, 8), dim=-1).bfloat16().requires_grad_()
+    for choice in ("auto", "half"):
+        monkeypatch.setenv(PRODUCTS_VARIABLE, choice)
+        seen.clear()
+        for communication in COMMUNICATIONS:
+            info_nce(images, images.detach(), chunk_size=4, communication=communication).backward()  # type: ignore[arg-type]
+        assert set(seen) == ({torch.bfloat16} if choice == "half" else set()), (choice, seen)

@@ -12,6 +12,7 @@ whole global batch, written with explicit masks.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ from routes import ROUTES, on_route
 from torch import Tensor, nn
 
 from contrastive_dist import DistributedInfoNCE, SharedNegatives, info_nce, nt_xent, retrieval_accuracy, siglip, supcon
+from contrastive_dist.losses._precision import PRODUCTS_VARIABLE
 from contrastive_dist.testing import WorkerPool
 
 COMMUNICATIONS = ("gather", "ring")
@@ -407,3 +409,34 @@ def test_ddp_training_with_uneven_and_empty_shards_matches_single_process(
         assert not torch.allclose(param, initial[name]), f"{name} did not move"
         for rank, params in enumerate(per_rank):
             torch.testing.assert_close(params[name], param.detach(), rtol=1e-10, atol=1e-10, msg=f"rank {rank} {name}")
+
+
+def _both_routes(rank: int, world_size: int, communication: str) -> list[dict[str, tuple[Tensor, dict]]]:
+    shards, results = (3, 0, 4), []
+    for kind in ("clip", "siglip", "supcon_views"):
+        routes = {}
+        for products in ("full", "half"):
+            os.environ[PRODUCTS_VARIABLE] = products
+            params, data = make_problem(9, sum(shards), torch.bfloat16)
+            local = {name: _slice(tensor, shards, rank) for name, tensor in data.items()}
+            value = package_value(kind, "weighted", params, local, chunk_size=2, communication=communication)
+            routes[products] = value_and_grads(value, params)
+        results.append(routes)
+    del os.environ[PRODUCTS_VARIABLE]
+    return results
+
+
+@pytest.mark.parametrize("communication", COMMUNICATIONS)
+def test_bf16_features_on_the_half_products_route(pool: Callable[[int], WorkerPool], communication: str) -> None:
+    # CUDA's route for bf16 features (half operands, float32 results and state), forced on gloo,
+    # against the upcast route on the same bf16 features: the same loss; gradients to bf16's rounding.
+    per_rank = pool(3).run(_both_routes, communication, timeout=60)
+    for index, kind in enumerate(("clip", "siglip", "supcon_views")):
+        full = [result[index]["full"] for result in per_rank]
+        half = [result[index]["half"] for result in per_rank]
+        assert_close(sum(v for v, _ in half) / 3, sum(v for v, _ in full) / 3, torch.float32, kind)
+        for name in full[0][1]:
+            expected = sum(grads[name].double() for _, grads in full) / 3
+            actual = sum(grads[name].double() for _, grads in half) / 3
+            scale = expected.abs().max().item()
+            torch.testing.assert_close(actual, expected, rtol=2**-6, atol=2**-6 * scale, msg=f"{kind} d/d{name}")

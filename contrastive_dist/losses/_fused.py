@@ -58,10 +58,10 @@ class _FusedOneBlock(torch.autograd.Function):
         want_query, want_key, want_scale, want_bias = wanted
         family, own_start = pairs.family, pairs.transport.own_start_of(-1)
         block_keys, column_keys = with_local(keys, pairs.column_keys, pairs)
-        grads = grads_for(queries, want_query, want_scale, want_bias)
-        key_grad = torch.zeros_like(block_keys) if want_key else None
+        grads = grads_for(queries, scale, want_query, want_scale, want_bias)
+        key_grad = torch.zeros_like(block_keys, dtype=scale.dtype) if want_key else None
         any_grad = any(wanted)
-        rows = queries.new_zeros(queries.shape[0])
+        rows = scale.new_zeros(queries.shape[0])
         has_positive = torch.zeros(queries.shape[0], dtype=torch.bool, device=queries.device)
         for start, stop in chunks(queries.shape[0], pairs.chunk) if block_keys.shape[0] else []:
             chunk_queries = queries[start:stop]
@@ -78,13 +78,15 @@ class _FusedOneBlock(torch.autograd.Function):
         if key_grad is not None:
             key_grad = key_grad[: keys.shape[0]]
         ctx.save_for_backward(grads.query, key_grad, grads.scale, grads.bias)
+        ctx.dtypes = (queries.dtype, keys.dtype, scale.dtype, scale.dtype)
         ctx.mark_non_differentiable(has_positive)
         return (rows.sum() if weights is None else rows @ weights), has_positive
 
     @staticmethod
     @first_order_only
     def backward(ctx: Any, grad_total: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        grads = tuple(None if grad is None else grad * grad_total for grad in ctx.saved_tensors)
+        saved = zip(ctx.saved_tensors, ctx.dtypes, strict=True)
+        grads = tuple(None if grad is None else (grad * grad_total).to(dtype) for grad, dtype in saved)
         return (*grads, None, None, None)
 
 

@@ -28,7 +28,7 @@ from torch import Tensor
 from contrastive_dist.engine._ring import Block
 from contrastive_dist.losses import _sigmoid, _softmax
 from contrastive_dist.losses._columns import Transport
-from contrastive_dist.losses._precision import full_precision
+from contrastive_dist.losses._precision import full_precision, product, upcast
 from contrastive_dist.losses._targets import RowTargets, Targets
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "block_rows",
     "chunks",
     "first_order_only",
+    "as_input",
     "grads_for",
     "block_logits",
     "own_block",
@@ -134,8 +135,16 @@ def first_order_only(backward: Backward) -> Backward:
     return checked
 
 
+def _half(queries: Tensor, keys: Tensor) -> bool:
+    """Whether a block's products take half operands (:mod:`._precision`): both sides in one half dtype."""
+    return queries.dtype == keys.dtype and queries.dtype in (torch.bfloat16, torch.float16)
+
+
 def block_logits(queries: Tensor, keys: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
-    """``s · Q Kᵀ (+ b)`` of one chunk of rows against one block."""
+    """``s · Q Kᵀ (+ b)`` of one chunk of rows against one block, in the core's dtype."""
+    if _half(queries, keys) or queries.dtype != keys.dtype:
+        logits = product(queries, keys.T).mul_(scale)  # the scale in float32, after the product
+        return logits if bias is None else logits.add_(bias)
     if bias is None:
         return (queries * scale) @ keys.T
     return torch.addmm(bias.expand(1, 1), queries * scale, keys.T)
@@ -167,27 +176,41 @@ def accumulate(
     """From ``G = ∂(Σ w ℓ)/∂logits`` of rows ``start:`` against ``keys``: add every input's gradient.
 
     Queries ``s · G K``, keys ``s · Gᵀ Q`` (into ``key_grad``), scale ``Σ Q ⊙ (G K)``, bias ``Σ G``.
+    The accumulators are in the core's dtype; half operands multiply ``G`` rounded to their dtype.
     """
-    if key_grad is not None:
-        key_grad.addmm_(logit_grad.T, queries * scale)
     if grads.bias is not None:
         grads.bias.add_(logit_grad.sum())
+    half = _half(queries, keys)
+    if not half and queries.dtype != keys.dtype:  # a block held here in another dtype (a float32 queue)
+        queries, keys = upcast(queries), upcast(keys)
+    factor = logit_grad.to(queries.dtype) if half else logit_grad
+    if key_grad is not None:
+        if half:
+            key_grad.add_(product(factor.T, queries).mul_(scale))
+        else:
+            key_grad.addmm_(factor.T, queries * scale)
     if grads.query is None and grads.scale is None:
         return
-    weighted_keys = logit_grad @ keys
+    weighted_keys = product(factor, keys) if half else factor @ keys
     if grads.query is not None:
         grads.query[start : start + queries.shape[0]].add_(weighted_keys * scale)
     if grads.scale is not None:
-        grads.scale.add_((queries * weighted_keys).sum())
+        grads.scale.add_((upcast(queries) * weighted_keys).sum())
 
 
 def gradients_wanted(*tensors: Tensor | None) -> tuple[bool, ...]:
     return tuple(tensor is not None and torch.is_grad_enabled() and tensor.requires_grad for tensor in tensors)
 
 
-def grads_for(queries: Tensor, want_query: bool, want_scale: bool, want_bias: bool) -> Grads:
-    query = torch.zeros_like(queries) if want_query else None
-    return Grads(query, queries.new_zeros(()) if want_scale else None, queries.new_zeros(()) if want_bias else None)
+def grads_for(queries: Tensor, scale: Tensor, want_query: bool, want_scale: bool, want_bias: bool) -> Grads:
+    """Fresh accumulators, in the core's dtype (``scale``'s) whatever the queries' dtype."""
+    query = torch.zeros_like(queries, dtype=scale.dtype) if want_query else None
+    return Grads(query, scale.new_zeros(()) if want_scale else None, scale.new_zeros(()) if want_bias else None)
+
+
+def as_input(grad: Tensor | None, like: Tensor) -> Tensor | None:
+    """A gradient handed back to an input: in the input's dtype."""
+    return None if grad is None else grad.to(like.dtype)
 
 
 def own_block(keys: Tensor, column_keys: Tensor | None) -> Block:

@@ -1,20 +1,50 @@
-"""The dtype the loss core computes in, written once for every loss and both transports.
+"""The dtypes the loss core computes in, written once for every loss and both transports.
 
-The core runs in float32 (float64 stays float64) with autocast off: inputs are upcast with
-differentiable casts, so their gradients come back in their own dtype. Half-precision logits,
-sums and gradient accumulators would overflow (fp16) or drift by percents over many blocks (bf16);
-the running state of a row (its maximum and sums) is always kept in the core's dtype.
+**Running state and sums** — every row's maximum, sums, gradient accumulators and the logits
+themselves — are float32 (float64 stays float64), with autocast off: half-precision sums and
+accumulators would overflow (fp16) or drift by percents over many blocks (bf16).
+
+**Products** (the logits ``Q Kᵀ`` and the gradients ``G K``, ``Gᵀ Q``):
+
+* float32 / float64 features: products in that dtype. On CUDA, float32 products honour
+  ``torch.backends.cuda.matmul.allow_tf32`` as any float32 matmul does (off by default).
+* bf16 / fp16 features on CUDA: the features stay in their dtype and every product runs on the
+  tensor cores with float32 accumulation and a float32 result (``torch.mm(..., out_dtype=float32)``).
+  The logits are then exactly what the upcast path computes (a product of two bf16 numbers is exact
+  in float32; only the order of the float32 additions may differ). A block's logit gradient is
+  rounded to the features' dtype before its two products, as flash attention rounds its
+  probabilities: the gradients handed back to bf16/fp16 features carry that dtype's precision anyway.
+* bf16 / fp16 features on CPU: upcast to float32 first (CPU matmuls have no fast half path).
+
+``CONTRASTIVE_DIST_PRODUCTS`` chooses for any device: ``auto`` (the default, as above), ``full``
+(always upcast first) or ``half`` (always keep half features; on CPU each product then upcasts its
+two operands itself, the same numbers as the tensor-core path, so the half route is tested there).
+Every rank must see the same value.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["compute_dtype", "full_precision", "upcast"]
+__all__ = [
+    "PRODUCTS_VARIABLE",
+    "compute_dtype",
+    "full_precision",
+    "half_products",
+    "operands",
+    "product",
+    "upcast",
+]
+
+PRODUCTS_VARIABLE = "CONTRASTIVE_DIST_PRODUCTS"
+"""Environment variable: ``auto`` / unset, ``full`` or ``half``; see the module docstring."""
+_CHOICES = ("auto", "full", "half")
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -32,3 +62,44 @@ def full_precision(device: torch.device) -> contextlib.AbstractContextManager[An
 def upcast(tensor: Tensor) -> Tensor:
     """``tensor`` in the core's dtype (float64 stays, the rest becomes float32); differentiable."""
     return tensor.to(compute_dtype(tensor.dtype))
+
+
+def half_products(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether features of ``dtype`` on ``device`` enter the products as they are (see the module docstring).
+
+    Example:
+        >>> import torch
+        >>> half_products(torch.bfloat16, torch.device("cpu")), half_products(torch.float32, torch.device("cpu"))
+        (False, False)
+    """
+    choice = os.environ.get(PRODUCTS_VARIABLE, "") or "auto"
+    if choice not in _CHOICES:
+        raise ValueError(f"{PRODUCTS_VARIABLE} must be one of {_CHOICES} (or unset), got {choice!r}")
+    if dtype not in _HALF or choice == "full":
+        return False
+    return choice == "half" or device.type == "cuda"
+
+
+def operands(tensor: Tensor) -> Tensor:
+    """``tensor`` in the dtype it enters the products in: as it is for half products, else :func:`upcast`."""
+    return tensor if half_products(tensor.dtype, tensor.device) else upcast(tensor)
+
+
+def product(first: Tensor, second: Tensor) -> Tensor:
+    """``first @ second`` in the core's dtype; operands of one half dtype are multiplied as they are.
+
+    On CUDA two bf16/fp16 operands take the tensor cores with a float32 result; elsewhere, or when
+    the dtypes differ, both are upcast first.
+
+    Shape:
+        first: ``(a, k)``; second: ``(k, b)``; output: ``(a, b)``, float32 (float64 for float64 operands).
+
+    Example:
+        >>> import torch
+        >>> a, b = torch.randn(2, 3).bfloat16(), torch.randn(3, 4).bfloat16()
+        >>> product(a, b).dtype, torch.equal(product(a, b), a.float() @ b.float())
+        (torch.float32, True)
+    """
+    if first.dtype == second.dtype and first.dtype in _HALF and first.is_cuda:
+        return torch.mm(first, second, out_dtype=torch.float32)
+    return upcast(first) @ upcast(second)

@@ -20,6 +20,7 @@ from contrastive_dist.losses._kernel import (
     LOCAL,
     Pairs,
     accumulate,
+    as_input,
     block_logits,
     block_rows,
     chunks,
@@ -71,7 +72,7 @@ class _Recomputed(torch.autograd.Function):
         wanted: tuple[bool, bool, bool, bool],
     ) -> tuple[Tensor, Tensor, Tensor]:
         family, transport = pairs.family, pairs.transport
-        row_state = family.empty_state(queries.shape[0], queries)
+        row_state = family.empty_state(queries.shape[0], scale)
 
         def visit(owner: int, block: Block, column_state: Tensor | None) -> None:
             block_keys, column_keys = block[0], block[1] if len(block) > 1 else None
@@ -94,12 +95,12 @@ class _Recomputed(torch.autograd.Function):
         new_column_state = None
         if pairs.columns is not None:
             columns = pairs.columns
-            new_column_state = lambda owner: family.empty_state(columns[owner], queries)  # noqa: E731
+            new_column_state = lambda owner: family.empty_state(columns[owner], scale)  # noqa: E731
         column_state = transport.run(own, block_rows(pairs), visit, new_column_state)
         if pairs.local_keys is not None:
             visit(LOCAL, own_block(pairs.local_keys.to(keys.dtype), pairs.local_column_keys), None)
         if column_state is None:
-            column_state = family.empty_state(0, queries)
+            column_state = family.empty_state(0, scale)
         ctx.save_for_backward(queries, keys, scale, bias, row_state, column_state)
         ctx.pairs, ctx.wanted = pairs, wanted
         has_positive = family.has_positive(row_state)
@@ -115,7 +116,7 @@ class _Recomputed(torch.autograd.Function):
         pairs = ctx.pairs
         want_query, want_key, want_scale, want_bias = ctx.wanted
         family, transport = pairs.family, pairs.transport
-        grads = grads_for(queries, want_query, want_scale, want_bias)
+        grads = grads_for(queries, scale, want_query, want_scale, want_bias)
         symmetric = pairs.columns is not None
 
         def visit(owner: int, block: Block, key_grad: Tensor | None) -> None:
@@ -153,12 +154,12 @@ class _Recomputed(torch.autograd.Function):
         new_key_grad = None
         if want_key:
             key_rows = pairs.key_rows
-            new_key_grad = lambda owner: keys.new_zeros(  # noqa: E731
+            new_key_grad = lambda owner: scale.new_zeros(  # noqa: E731
                 (keys.shape[0] if owner < 0 else key_rows[owner], keys.shape[1])
             )
         key_grad = transport.run(own, block_rows(pairs, with_columns=symmetric), visit, new_key_grad)
         if pairs.local_keys is not None:
             visit(LOCAL, own_block(pairs.local_keys.to(keys.dtype), pairs.local_column_keys), None)
-        return grads.query, key_grad, grads.scale, grads.bias, None, None
+        return as_input(grads.query, queries), as_input(key_grad, keys), grads.scale, grads.bias, None, None
 
 

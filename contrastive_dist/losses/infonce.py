@@ -29,7 +29,7 @@ from contrastive_dist.losses._options import (
     check_weight,
     resolve_scale,
 )
-from contrastive_dist.losses._precision import compute_dtype, full_precision, upcast
+from contrastive_dist.losses._precision import compute_dtype, full_precision, operands
 from contrastive_dist.losses._reduction import Direction, mean_over_directions, mean_share, weight_total
 from contrastive_dist.losses._targets import SMALL_KEYS, comparable_keys, pair_targets, small_keys_flag
 
@@ -225,11 +225,11 @@ def info_nce(
         negative_keys = arguments_.negative_ids
         if negative_keys is not None:
             negative_keys = comparable_keys(negative_keys, compute_dtype(images.dtype), small)
-        text_columns = Columns((upcast(columns.tensors[0]), *(() if column_keys is None else (column_keys,))),
+        text_columns = Columns((operands(columns.tensors[0]), *(() if column_keys is None else (column_keys,))),
                                columns.transport, columns.rows)
         column_key_rows = columns.rows
         if own_negatives is not None:
-            joined = (upcast(own_negatives), negative_keys if column_keys is not None else None)
+            joined = (operands(own_negatives), negative_keys if column_keys is not None else None)
             text_columns = with_own_negatives(text_columns, joined, layout)
             column_key_rows = text_columns.rows if negative_keys is not None else columns.rows
         pairs_with = torch.arange(images.shape[0], device=images.device)
@@ -246,12 +246,12 @@ def info_nce(
             local_keys=negatives.keys if isinstance(negatives, SharedNegatives) else None,
             local_column_keys=negative_keys if isinstance(negatives, SharedNegatives) else None,
         )
-        directions = [Direction(upcast(images), text_columns.tensors[0], scale, None, image_to_text)]
+        directions = [Direction(operands(images), text_columns.tensors[0], scale, None, image_to_text)]
         if symmetric and not ring:
             text_to_image = image_to_text._replace(
                 column_keys=column_keys, local_keys=None, local_column_keys=None, key_rows=columns.rows
             )
-            directions.append(Direction(upcast(texts), upcast(columns.tensors[1]), scale, None, text_to_image))
+            directions.append(Direction(operands(texts), operands(columns.tensors[1]), scale, None, text_to_image))
         value, _ = mean_over_directions(directions, weights=weights, per_row=reduction == "none")
     if reduction == "none":
         return value

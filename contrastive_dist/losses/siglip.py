@@ -26,7 +26,7 @@ from contrastive_dist.losses._options import (
     positive_scalar,
     scalar_tensor,
 )
-from contrastive_dist.losses._precision import compute_dtype, full_precision, upcast
+from contrastive_dist.losses._precision import compute_dtype, full_precision, operands
 from contrastive_dist.losses._reduction import Direction, mean_over_directions, mean_share, weight_total
 from contrastive_dist.losses._targets import SMALL_KEYS, comparable_keys, pair_targets, small_keys_flag
 
@@ -158,7 +158,7 @@ def siglip(
         keys = None
         if pair_ids is not None:
             keys = comparable_keys(pair_ids, scale.dtype, layout.every_rank_has(SMALL_KEYS))
-        columns = meet(communication, layout, (upcast(texts), *(() if keys is None else (keys,))))
+        columns = meet(communication, layout, (operands(texts), *(() if keys is None else (keys,))))
         own_text = torch.arange(images.shape[0], device=images.device)
         pairs = Pairs(
             SIGMOID,
@@ -168,7 +168,7 @@ def siglip(
             column_keys=None if keys is None else columns.tensors[1],
             key_rows=columns.rows,
         )
-        direction = Direction(upcast(images), columns.tensors[0], scale, bias, pairs)
+        direction = Direction(operands(images), columns.tensors[0], scale, bias, pairs)
         value, _ = mean_over_directions([direction], weights=weights, per_row=reduction == "none")
     if reduction == "none":
         return value

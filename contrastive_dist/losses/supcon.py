@@ -25,7 +25,7 @@ from contrastive_dist.losses._options import (
     check_weight,
     resolve_scale,
 )
-from contrastive_dist.losses._precision import compute_dtype, full_precision, upcast
+from contrastive_dist.losses._precision import compute_dtype, full_precision, operands
 from contrastive_dist.losses._reduction import Direction, all_reduced, mean_over_directions, mean_share
 from contrastive_dist.losses._targets import SMALL_KEYS, RowTargets, comparable_keys, small_keys_flag
 
@@ -153,9 +153,9 @@ def supcon(
         # One row per embedding, sample-major: the embedding (sample s, view v) is row s·V + v,
         # of the rows and of its own block's columns; the labels travel with them (as floats when
         # every rank's are small integers: gathered with the embeddings in one collective).
-        embeddings = upcast(rearrange(features, "n ... d -> (n ...) d"))
+        embeddings = operands(rearrange(features, "n ... d -> (n ...) d"))
         small = layout.every_rank_has(SMALL_KEYS)
-        embedding_labels = comparable_keys(labels, embeddings.dtype, small).repeat_interleave(views)
+        embedding_labels = comparable_keys(labels, scale.dtype, small).repeat_interleave(views)
         columns = meet(communication, layout, (embeddings, embedding_labels), per_sample=views)
         keys, key_labels = columns.tensors
         anchors = torch.arange(embeddings.shape[0], device=features.device)
