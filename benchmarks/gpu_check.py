@@ -18,7 +18,8 @@ One GPU: every method's value and gradients (features, the learnable ``logit_sca
 global batch 16k–128k, D = 768: ``info_nce`` and ``siglip`` with ``chunk_size`` 1024 and 4096
 against open_clip's ``ClipLoss`` / ``SigLipLoss``, each until its first out-of-memory. The
 ``compute`` column says how each multiplies: our core keeps bf16 features as tensor-core operands
-(float32 results and state), open_clip runs under ``torch.autocast`` on bf16 tensor cores. Then the published siglip-kernel
+(float32 results and state), open_clip runs under ``torch.autocast`` on bf16 tensor cores. Then the
+published siglip-kernel
 figures (Triton, B = 65,536, bf16) with ours as ratios.
 
 Several GPUs (``torchrun``; each process on the GPU of its ``LOCAL_RANK``, NCCL bound to it with
