@@ -2,14 +2,15 @@
 
 Three functions, nothing to subclass:
 
-* :func:`distributed_loader` builds, when Lightning asks for a loader, a torchdata
-  ``StatefulDataLoader`` over a :class:`~contrastive_dist.DistributedBatchSampler` (rank and world
-  size from the trainer) with an :class:`~contrastive_dist.EmptySafeCollate`. Every sample is seen
-  exactly once per epoch, every rank runs the same number of steps, and Lightning's ``set_epoch``
-  calls reach the sampler, so each epoch has a new order. The loader has ``state_dict`` /
-  ``load_state_dict``, which Lightning saves in every checkpoint and restores on
-  ``trainer.fit(..., ckpt_path=...)``: a run resumed from a mid-epoch checkpoint continues with the
-  very next global batch, with or without worker processes (the loader accounts for their prefetching).
+* :func:`distributed_loader` builds, when Lightning asks for a loader, a ``DataLoader`` over a
+  :class:`~contrastive_dist.DistributedBatchSampler` (rank and world size from the trainer) with an
+  :class:`~contrastive_dist.EmptySafeCollate`. Every sample is seen exactly once per epoch, every
+  rank runs the same number of steps, and Lightning's ``set_epoch`` calls reach the sampler, so each
+  epoch has a new order. The loader has ``state_dict`` / ``load_state_dict`` (the sampler's position
+  after the batches the loader *yielded*, whatever its workers prefetched), which Lightning saves in
+  every checkpoint and restores on ``trainer.fit(..., ckpt_path=...)``: a run resumed from a
+  mid-epoch checkpoint continues with the very next global batch, on any number of devices or
+  workers (keep the global batch size: Lightning fixes the steps of an epoch for a whole ``fit``).
 * :func:`streaming_loader` does the same for sharded streams (webdataset tar shards, say): each
   rank and DataLoader worker reads its own shards (:class:`~contrastive_dist.DistributedShardList`)
   and a rank that runs out yields empty batches until every rank has
@@ -26,7 +27,7 @@ The ``training_step`` must return a loss connected to the parameters on a rank w
 empty (the losses of this package do); returning ``None`` there makes that rank skip the backward
 and the other ranks wait for it forever.
 
-Lightning, torchdata, webdataset and this module are imported only when used: ``import
+Lightning, webdataset and this module are imported only when used: ``import
 contrastive_dist`` imports none of them.
 
 Example:
@@ -42,19 +43,16 @@ Example:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.utils.data import DataLoader, default_collate
 
+from contrastive_dist.data._resumable_loader import ResumableLoader
 from contrastive_dist.data.collate import EmptySafeCollate
 from contrastive_dist.data.sampler import DistributedBatchSampler
 from contrastive_dist.data.shards import DistributedShardList
 from contrastive_dist.data.streaming import DistributedStreamingBatches
-
-if TYPE_CHECKING:
-    from torchdata.stateful_dataloader import StatefulDataLoader
 
 __all__ = ["distributed_loader", "step_sizes", "streaming_loader"]
 
@@ -84,11 +82,13 @@ def distributed_loader(
     collate_fn: Callable[[list[Any]], Any] = default_collate,
     num_workers: int = 0,
     **loader_options: Any,
-) -> StatefulDataLoader:
+) -> DataLoader:
     """A resumable, drop-last-free ``DataLoader`` for this rank, for ``*_dataloader()`` hooks.
 
     Call it from ``train_dataloader()`` / ``val_dataloader()`` (the trainer knows its rank and
     world size by then): ``return distributed_loader(self.train_set, self.trainer, batch_size=64)``.
+    A checkpoint saved on one number of devices or workers resumes on another; with the same
+    global batch size (``batch_size`` × devices) the remaining global batches are the same.
 
     Args:
         dataset: a map-style dataset (``len()`` and ``dataset[i]``) with at least one sample.
@@ -100,22 +100,23 @@ def distributed_loader(
         seed: the base seed of the order; the same on every rank.
         collate_fn: collates a non-empty list of samples; an empty rank's batch is derived from it.
         num_workers: DataLoader worker processes; they persist across epochs when there are any.
-        **loader_options: any other ``StatefulDataLoader`` option (``pin_memory``, ``prefetch_factor``, ...).
+        **loader_options: any other ``DataLoader`` option (``pin_memory``, ``prefetch_factor``, ...).
 
     Returns:
-        A ``torchdata.stateful_dataloader.StatefulDataLoader`` whose ``batch_sampler`` is the
-        :class:`~contrastive_dist.DistributedBatchSampler`.
+        A ``DataLoader`` whose ``batch_sampler`` is the :class:`~contrastive_dist.DistributedBatchSampler`,
+        with ``state_dict()`` / ``load_state_dict()``: the sampler's state after the batches it yielded.
 
     Raises:
-        ValueError: the trainer would replace the sampler (``use_distributed_sampler=True`` under DDP).
+        ValueError: the trainer would replace the sampler (``use_distributed_sampler=True`` under DDP);
+            at ``load_state_dict``, a state the sampler refuses, or (with a trainer) one saved
+            mid-epoch with another global batch size that changes the number of steps of the epoch,
+            which Lightning keeps for a whole ``fit``.
         TypeError: ``dataset`` has no ``len()``, or an option has the wrong type.
 
     Shape:
         - each batch: ``collate_fn`` of ``step_sizes(trainer, step)[rank]`` samples (possibly 0).
 
     """
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
     for name in ("batch_sampler", "sampler", "batch_size", "shuffle", "drop_last"):
         if name in loader_options:
             raise TypeError(f"distributed_loader sets {name!r} itself; got it in loader_options")
@@ -127,16 +128,14 @@ def distributed_loader(
     placement = {} if trainer is None else {"num_replicas": trainer.world_size, "rank": trainer.global_rank}
     sampler = DistributedBatchSampler(length, batch_size, shuffle=shuffle, seed=seed, **placement)
     loader_options.setdefault("persistent_workers", num_workers > 0)
-    with warnings.catch_warnings():
-        # torchdata 0.11 calls a torch function that torch >= 2.9 deprecates: noise for the user.
-        warnings.filterwarnings("ignore", message=".*set_vital.*")
-        return StatefulDataLoader(
-            dataset,
-            batch_sampler=sampler,
-            collate_fn=EmptySafeCollate(dataset, collate_fn),
-            num_workers=num_workers,
-            **loader_options,
-        )
+    return ResumableLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=EmptySafeCollate(dataset, collate_fn),
+        num_workers=num_workers,
+        fixed_epoch_length=trainer is not None,
+        **loader_options,
+    )
 
 
 def streaming_loader(

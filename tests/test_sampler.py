@@ -414,3 +414,30 @@ def test_empty_safe_collate_custom_collate_and_errors():
         EmptySafeCollate(dataset, "stack")
     with pytest.raises(ValueError, match="0-d tensor"):
         EmptySafeCollate(dataset, lambda samples: torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_loader_resumes_what_it_yielded_whatever_its_workers_prefetched(num_workers):
+    # A DataLoader with workers calls iter() on the sampler twice before its first batch, and asks for
+    # batches ahead of the loop: the loaded state must survive the first, the saved one ignore the second.
+    from contrastive_dist.data._resumable_loader import ResumableLoader
+
+    data = list(range(37))
+    uninterrupted = [batch.tolist() for batch in DataLoader(data, batch_sampler=DistributedBatchSampler(37, 4, seed=2))]
+    loader = ResumableLoader(data, batch_sampler=DistributedBatchSampler(37, 4, seed=2), num_workers=num_workers,
+                             persistent_workers=num_workers > 0)
+    batches = iter(loader)
+    head = [next(batches).tolist() for _ in range(3)]
+    state = loader.state_dict()
+    assert (state["step"], state["consumed"]) == (3, 12)
+    resumed = ResumableLoader(data, batch_sampler=DistributedBatchSampler(37, 6, seed=2), num_workers=num_workers)
+    resumed.load_state_dict(state)
+    rest = [batch.tolist() for batch in resumed]
+    assert [len(batch) for batch in rest] == [6, 6, 6, 6, 1]
+    assert sum(head + rest, []) == sum(uninterrupted, [])  # the epoch's order, each sample once
+    assert resumed.state_dict()["consumed"] == 37
+    with pytest.raises(TypeError, match="batch_sampler must be a DistributedBatchSampler"):
+        ResumableLoader(data, batch_size=4)
+    fixed = ResumableLoader(data, batch_sampler=DistributedBatchSampler(37, 6, seed=2), fixed_epoch_length=True)
+    with pytest.raises(ValueError, match="12 of its 37 samples were consumed in 3 step.*end after 8 steps.*at the 7 steps of a fresh one"):
+        fixed.load_state_dict(state)

@@ -172,7 +172,7 @@ class DistributedBatchSampler(Sampler[list[int]]):
         self._first_step = 0
         self._first_position = 0
         # The step the next iteration starts at, and the steps of the epoch handed out by the latest iterator.
-        # Every fresh iter() resets them, so that a loader that stopped after len() batches (without
+        # Every fresh iteration resets them, so that a loader that stopped after len() batches (without
         # exhausting us) still gets a full next epoch.
         self._start = 0
         self._step = 0
@@ -191,7 +191,7 @@ class DistributedBatchSampler(Sampler[list[int]]):
 
     @property
     def first_step(self) -> int:
-        """The first step the current (or next) iteration yields: 0, or where a loaded state resumes."""
+        """The first step of the current iteration (once it yielded a batch), or of the next: 0 or a loaded step."""
         return self._start
 
     def __len__(self) -> int:
@@ -242,17 +242,17 @@ class DistributedBatchSampler(Sampler[list[int]]):
         return (positions if order is None else order(positions)).tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
-        # The restart is decided here, not in the generator body: DataLoader calls iter() when an
-        # epoch starts, but the body only runs at the first next().
         if not self._pending:
-            self._restart()
-        self._pending = False
-        self._step = self._start
+            self._restart()  # now too, so that state_dict() right after iter() is the fresh epoch's
         return self._batches()
 
     def _batches(self) -> Iterator[list[int]]:
-        # The epoch and the first step are read at the first next(): Lightning calls iter() before
-        # set_epoch() when it resumes a run, and a set_epoch() to another epoch drops a resumed step.
+        # Everything is decided at the first next(), not at iter(): a DataLoader with workers calls iter()
+        # twice before it asks for a batch, and Lightning calls iter() before set_epoch() when it resumes
+        # a run (a set_epoch() to another epoch drops a loaded state). A loaded state is used once.
+        if not self._pending:
+            self._restart()
+        self._pending = False
         order = Permutation(self.length, self.seed, self.epoch) if self.shuffle else None
         step = self._start
         self._step = step
@@ -290,8 +290,13 @@ class DistributedBatchSampler(Sampler[list[int]]):
         position = decode_position(state_dict, seed=self.seed, length=self.length, shuffle=self.shuffle)
         self._restart()
         self.epoch = position.epoch
-        # On this sampler's own grid (the same global batch size, say) it is a plain epoch at that step.
-        if position.consumed != min(position.step * self.global_batch_size, self.length) or position.step > len(self):
+        if position.consumed == self.length:
+            # Nothing is left of the epoch, whatever layout took it: the end of a plain epoch of this one.
+            self._start = self._step = len(self)
+        elif position.consumed == position.step * self.global_batch_size:
+            # On this sampler's own grid (the same global batch size, say): a plain epoch at that step.
+            self._start = self._step = position.step
+        else:
             self._first_step, self._first_position = position.step, position.consumed
-        self._start = self._step = position.step
+            self._start = self._step = position.step
         self._pending = True
