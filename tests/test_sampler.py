@@ -439,5 +439,5 @@ def test_a_loader_resumes_what_it_yielded_whatever_its_workers_prefetched(num_wo
     with pytest.raises(TypeError, match="batch_sampler must be a DistributedBatchSampler"):
         ResumableLoader(data, batch_size=4)
     fixed = ResumableLoader(data, batch_sampler=DistributedBatchSampler(37, 6, seed=2), fixed_epoch_length=True)
-    with pytest.raises(ValueError, match="12 of its 37 samples were consumed in 3 step.*end after 8 steps.*at the 7 steps of a fresh one"):
+    with pytest.raises(ValueError, match="12 of its 37 samples were consumed in 3 step.*after 8 steps.*at the 7 steps"):
         fixed.load_state_dict(state)
