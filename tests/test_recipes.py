@@ -116,22 +116,28 @@ def test_simclr_end_to_end(tmp_path: Path) -> None:
     assert (out / "curves.png").exists() and "knn_accuracy" in check_summary(result)
 
 
-def test_two_processes_train_to_the_weights_of_one(tmp_path: Path) -> None:
-    # 33 samples, global batch 16: steps of 16, 16, 1 per epoch; the last step splits [1, 0]
-    # (32-pixel images keep a 2×2 last feature map, so BatchNorm has 4 values per channel then).
-    common = [*TINY_CLIP, "--image-size", "32", "--train-size", "33", "--val-size", "8",
-              "--optimizer", "sgd", "--lr", "0.5", "--max-steps", "6", "--val-every", "100", "--no-plots",
-              "--precision", "64-true"]
-    run("clip.py", *common, "--devices", "2", "--batch-size", "8", "--output-dir", "two", cwd=tmp_path)
-    run("clip.py", *common, "--devices", "1", "--batch-size", "16", "--output-dir", "one", cwd=tmp_path)
-    two, one = weights(tmp_path / "two/checkpoints/last.ckpt"), weights(tmp_path / "one/checkpoints/last.ckpt")
-    for key, value in one.items():
-        if value.is_floating_point():
-            # 64-true: only the order of sums differs between 2 processes and 1 (measured: at most 2e-8
-            # relative, logit_scale); in float32 that order alone moved weights by up to 6e-5 after 6 steps
-            # at lr 0.5. A loss off the contract (a mean of per-rank means) is off by more than 1e-2.
-            scale = value.abs().max().clamp_min(1e-6)
-            assert (two[key] - value).abs().max() / scale <= 1e-6, key
+def test_two_processes_and_a_resume_on_three_train_to_the_weights_of_one(tmp_path: Path) -> None:
+    # 49 samples, global batch 24: steps of 24, 24, 1 per epoch; the last step splits [1, 0] on 2 processes
+    # and [1, 0, 0] on 3 (32-pixel images keep a 2×2 last feature map, so BatchNorm has 4 values per
+    # channel then). A third run stops at step 2 on 2 processes and resumes mid-epoch on 3 × 8.
+    common = [*TINY_CLIP, "--image-size", "32", "--train-size", "49", "--val-size", "8",
+              "--optimizer", "sgd", "--lr", "0.5", "--val-every", "100", "--no-plots", "--precision", "64-true"]
+    run("clip.py", *common, "--max-steps", "6", "--devices", "2", "--batch-size", "12", "--output-dir", "two",
+        cwd=tmp_path)
+    run("clip.py", *common, "--max-steps", "6", "--devices", "1", "--batch-size", "24", "--output-dir", "one",
+        cwd=tmp_path)
+    run("clip.py", *common, "--max-steps", "2", "--devices", "2", "--batch-size", "12", "--output-dir", "three",
+        cwd=tmp_path)
+    result = run("clip.py", *common, "--max-steps", "6", "--devices", "3", "--batch-size", "8", "--output-dir",
+                 "three", "--resume", "three/checkpoints/last.ckpt", cwd=tmp_path)
+    assert ("steps 3-6 (resumed; the run has 6 steps), resumed on 3 process(es) × 8 with 0 worker(s) from 2 × 12 "
+            "with 0 (the same global batch)") in check_summary(result)
+    one = weights(tmp_path / "one/checkpoints/last.ckpt")
+    for other in ("two", "three"):
+        # 64-true, but the recipe's loss runs in float32, so the order of its sums differs between layouts:
+        # measured at most 4.1e-7 relative, for both. A loss off the contract (a mean of per-rank means) is
+        # off by more than 1e-2.
+        floating_weights_close(one, weights(tmp_path / f"{other}/checkpoints/last.ckpt"), 1e-5)
     assert float(one["logit_scale"]) != pytest.approx(float(torch.tensor(1 / 0.07).log()), abs=1e-6)  # it trained
 
 
