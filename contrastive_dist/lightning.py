@@ -14,9 +14,10 @@ Three functions, nothing to subclass:
 * :func:`streaming_loader` does the same for sharded streams (webdataset tar shards, say): each
   rank and DataLoader worker reads its own shards (:class:`~contrastive_dist.DistributedShardList`)
   and a rank that runs out yields empty batches until every rank has
-  (:class:`~contrastive_dist.DistributedStreamingBatches`), so uneven shards never hang DDP. A
-  stream cannot seek: resume it from a checkpoint saved at the end of an epoch (from one saved
-  mid-epoch, :func:`step_sizes` raises a ``ValueError`` that says so).
+  (:class:`~contrastive_dist.DistributedStreamingBatches`), so uneven shards never hang DDP. Its
+  state is every shard's progress (untouched, finished, or samples consumed), the same on every
+  rank: a mid-epoch checkpoint resumes with exactly the samples not yet consumed, on any number of
+  devices or workers, reading past the consumed part of a shard without decoding it.
 * :func:`step_sizes` gives the per-rank batch sizes of the current training step, for either
   loader, to pass to a loss as ``sizes=`` so that it skips its size exchange: the training step is
   the same for map-style and streamed data.
@@ -27,8 +28,8 @@ The ``training_step`` must return a loss connected to the parameters on a rank w
 empty (the losses of this package do); returning ``None`` there makes that rank skip the backward
 and the other ranks wait for it forever.
 
-Lightning, webdataset and this module are imported only when used: ``import
-contrastive_dist`` imports none of them.
+Lightning and this module are imported only when used: ``import contrastive_dist`` imports
+neither (nor webdataset, whose stages the user passes to :func:`streaming_loader`).
 
 Example:
     >>> import torch
@@ -151,22 +152,26 @@ def streaming_loader(
     lookahead: int = 1,
     **loader_options: Any,
 ) -> DistributedStreamingBatches:
-    """Drop-last-free batches of a sharded stream for this rank, for ``train_dataloader()``; needs webdataset.
+    """Drop-last-free, resumable batches of a sharded stream for this rank, for ``train_dataloader()``.
 
     Call it from ``train_dataloader()``: ``return streaming_loader(urls, self.trainer,
     wds.tarfile_to_samples(), wds.decode("pil"), wds.map(preprocess), batch_size=64, example=...)``.
     The shards are split over the trainer's ranks and each rank's DataLoader workers
     (:class:`~contrastive_dist.DistributedShardList`, a new seeded order each epoch), the samples
-    flow through ``stages`` (a ``webdataset.DataPipeline``), and the batches are wrapped in a
-    :class:`~contrastive_dist.DistributedStreamingBatches`: every rank runs the same number of
-    steps, every sample is used once per epoch. Lightning's ``set_epoch`` reaches the shard order.
+    flow through ``stages`` (:meth:`~contrastive_dist.DistributedShardList.pipeline`), and the
+    batches are wrapped in a :class:`~contrastive_dist.DistributedStreamingBatches`: every rank runs
+    the same number of steps, every sample is used once per epoch. Lightning's ``set_epoch``
+    reaches the shard order, and its checkpoints hold the stream's progress: ``trainer.fit(...,
+    ckpt_path=...)`` resumes mid-epoch, on the same or another number of devices and workers.
 
     Args:
         shards: the shard names or URLs of the whole dataset, the same list on every rank.
         trainer: the ``lightning.Trainer`` (rank and world size are read from it), or ``None``
             to read them from the default process group (one process without one).
         *stages: webdataset pipeline stages after the shard list (``wds.tarfile_to_samples()``,
-            ``wds.decode(...)``, ``wds.map(...)``, ...); picklable when ``num_workers > 0``.
+            ``wds.decode(...)``, ``wds.map(...)``, ...); picklable when ``num_workers > 0``. The
+            first reads shards into samples that name their shard in ``__url__``; stages that hold
+            samples back (a shuffle buffer) lose what they hold at a mid-epoch checkpoint.
         batch_size: samples per rank per step (a rank's last batches may be smaller or empty).
         example: one sample as the stages yield it; it shapes the empty batch of a rank that ran out.
         shuffle: a new shard order each epoch; ``False`` reads shard ``i`` on rank ``i % world size``
@@ -202,8 +207,6 @@ def streaming_loader(
         [([0, 1], (2,)), ([2, 3], (2,)), ([4], (1,))]
 
     """
-    import webdataset as wds
-
     for name in ("batch_sampler", "sampler", "batch_size", "shuffle", "drop_last", "persistent_workers"):
         if name in loader_options:
             raise TypeError(f"streaming_loader sets {name!r} itself; got it in loader_options")
@@ -220,13 +223,14 @@ def streaming_loader(
     if num_workers > 0:
         loader_options.setdefault("multiprocessing_context", "forkserver")
     loader = DataLoader(
-        wds.DataPipeline(shard_list, *stages),
+        shard_list.pipeline(*stages),
         batch_size=batch_size,
         collate_fn=collate,
         num_workers=num_workers,
         **loader_options,
     )
-    return DistributedStreamingBatches(loader, lookahead=lookahead)
+    # Lightning fetches one batch ahead of the step it trains on (it has no length to stop at).
+    return DistributedStreamingBatches(loader, lookahead=lookahead, caller_prefetch=0 if trainer is None else 1)
 
 
 def step_sizes(trainer: Any, batch_idx: int) -> tuple[int, ...]:
@@ -249,13 +253,9 @@ def step_sizes(trainer: Any, batch_idx: int) -> tuple[int, ...]:
     """
     loader = trainer.train_dataloader
     if isinstance(loader, DistributedStreamingBatches):
-        # Known once the ranks agreed on the step; Lightning fetches one batch ahead, kept too.
-        try:
-            return loader.sizes(batch_idx)
-        except ValueError as error:
-            # Lightning resumes batch_idx mid-epoch, but a stream restarts its epoch at step 0.
-            raise ValueError(f"{error} (a stream cannot resume mid-epoch: resume from a checkpoint saved at the "
-                             "end of an epoch)") from error
+        # Known once the ranks agreed on the step; Lightning fetches one batch ahead, kept too. A resumed
+        # stream numbers its steps on from the checkpoint's, as Lightning's batch_idx does.
+        return loader.sizes(batch_idx)
     sampler = getattr(loader, "batch_sampler", None)
     if not isinstance(sampler, DistributedBatchSampler):
         raise TypeError(
