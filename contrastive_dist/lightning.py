@@ -233,6 +233,14 @@ def streaming_loader(
     return DistributedStreamingBatches(loader, lookahead=lookahead, caller_prefetch=0 if trainer is None else 1)
 
 
+_NOT_RESTORED = (
+    " (a run resumed from a checkpoint whose loader was never given its saved position: Lightning builds the "
+    "train loader before it restores a checkpoint when configure_optimizers reads trainer.estimated_stepping_"
+    "batches with max_epochs set, and then skips the loader's state, Lightning issue #20550; compute the "
+    "schedule's length without it)"
+)
+
+
 def step_sizes(trainer: Any, batch_idx: int) -> tuple[int, ...]:
     """The per-rank batch sizes of training step ``batch_idx``; the same tuple on every rank.
 
@@ -248,14 +256,21 @@ def step_sizes(trainer: Any, batch_idx: int) -> tuple[int, ...]:
 
     Raises:
         TypeError: the training loader is none of these.
-        ValueError: ``batch_idx`` is not a step of the epoch (for a stream: not one of its recent steps).
+        ValueError: ``batch_idx`` is not a step of the epoch (for a stream: not one of its recent steps), or
+            not the step of the loader's batch (a resumed loader whose state Lightning did not restore).
 
     """
     loader = trainer.train_dataloader
     if isinstance(loader, DistributedStreamingBatches):
         # Known once the ranks agreed on the step; Lightning fetches one batch ahead, kept too. A resumed
         # stream numbers its steps on from the checkpoint's, as Lightning's batch_idx does.
-        return loader.sizes(batch_idx)
+        try:
+            return loader.sizes(batch_idx)
+        except ValueError as error:
+            raise ValueError(f"{error}{_NOT_RESTORED}") from error
+    if isinstance(loader, ResumableLoader) and loader.current_step not in (None, batch_idx):
+        raise ValueError(f"Lightning trains step {batch_idx} of the epoch, but the loader's batch is its step "
+                         f"{loader.current_step}{_NOT_RESTORED}")
     sampler = getattr(loader, "batch_sampler", None)
     if not isinstance(sampler, DistributedBatchSampler):
         raise TypeError(

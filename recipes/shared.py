@@ -292,6 +292,21 @@ def make_trainer(args: argparse.Namespace, *, monitor: str, callbacks: Sequence[
     )
 
 
+def planned_steps(module: L.LightningModule, args: argparse.Namespace) -> float:
+    """The optimizer steps of the run, for the schedule, without Lightning building its train loader early.
+
+    ``trainer.estimated_stepping_batches`` builds the train loader when ``max_epochs`` is set, before a
+    resumed checkpoint is restored, and Lightning then never gives the loader its saved position
+    (Lightning issue #20550): the epoch would restart. Its length comes from a loader of our own instead.
+    """
+    if args.max_epochs == -1:
+        return module.trainer.estimated_stepping_batches  # max_steps: no loader needed
+    loader = module.train_dataloader()
+    per_epoch = len(loader) if hasattr(loader, "__len__") else math.inf  # a stream has no length
+    total = per_epoch * args.max_epochs
+    return min(total, args.max_steps) if args.max_steps > 0 else total
+
+
 def optimizer_and_schedule(module: L.LightningModule, args: argparse.Namespace) -> Any:
     """AdamW without decay on biases and norms, linear warm-up then cosine; or plain SGD (``--optimizer sgd``)."""
     if args.optimizer == "sgd":
@@ -299,7 +314,7 @@ def optimizer_and_schedule(module: L.LightningModule, args: argparse.Namespace) 
     groups = [{"params": [p for p in module.parameters() if p.ndim >= 2], "weight_decay": args.weight_decay},
               {"params": [p for p in module.parameters() if p.ndim < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=args.lr)
-    total = max(int(module.trainer.estimated_stepping_batches), 1)
+    total = max(int(planned_steps(module, args)), 1)
     warmup = max(total // 20, 1)
 
     def schedule(step: int) -> float:

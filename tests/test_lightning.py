@@ -192,3 +192,16 @@ def test_readme_lightning_module_trains_on_two_processes(tmp_path):
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=200)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "every sample once" in result.stdout
+
+
+def test_step_sizes_refuses_a_step_that_is_not_the_loaders_batch():
+    # What a resumed run looks like when Lightning never gave the loader its saved position (Lightning
+    # issue #20550): its batch_idx continues from the checkpoint, the loader starts the epoch again.
+    class ResumedTrainer:  # what step_sizes reads of a Trainer
+        train_dataloader = distributed_loader(PointDataset(), None, batch_size=4)
+
+    next(iter(ResumedTrainer.train_dataloader))
+    assert step_sizes(ResumedTrainer(), 0) == (4,)
+    with pytest.raises(ValueError, match="Lightning trains step 2 of the epoch, but the loader's batch is its step 0 "
+                                         r"\(a run resumed .*issue #20550"):
+        step_sizes(ResumedTrainer(), 2)

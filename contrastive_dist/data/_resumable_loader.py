@@ -60,6 +60,11 @@ class ResumableLoader(DataLoader):
             self._yielded += 1
             yield batch
 
+    @property
+    def current_step(self) -> int | None:
+        """The epoch's step of the batch yielded last (None before the first), for a caller to check its count."""
+        return None if not self._yielded else self._sampler().first_step + self._yielded - 1
+
     def state_dict(self) -> dict[str, Any]:
         """The sampler's state after the batches yielded so far in this epoch (see ``DistributedBatchSampler``)."""
         sampler = self._sampler()
