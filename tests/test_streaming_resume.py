@@ -21,6 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from contrastive_dist import DistributedShardList, DistributedStreamingBatches, EmptySafeCollate
@@ -221,3 +223,28 @@ def test_one_process_caller_prefetch_and_epoch_boundaries(tmp_path):
         DistributedStreamingBatches([], empty_batch=list, caller_prefetch=-1)
     with pytest.raises(ValueError, match="shards must be distinct"):
         DistributedShardList([shards[0], shards[0]])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=9), st.lists(st.integers(1, 7), min_size=3, max_size=3),
+       st.booleans(), st.data())
+def test_the_rest_of_an_epoch_dealt_to_any_slots_reads_every_sample_once(sizes, slot_counts, shuffle, data):
+    """Shards of ``sizes`` samples; slots read a prefix of their plan, twice saved and dealt to other slot counts."""
+    shard_list = DistributedShardList([f"s{index}.tar" for index in range(len(sizes))], shuffle=shuffle, seed=2,
+                                      num_replicas=1, rank=0)
+    shard_list.set_epoch(data.draw(st.integers(0, 3)))
+    read: list[tuple[int, int]] = []  # (shard, sample index within it)
+    for layout, slots in enumerate(slot_counts):
+        shards = shard_list.begin_epoch(slots, resume=layout > 0)
+        last = layout == len(slot_counts) - 1
+        for slot in range(slots):
+            samples = [(shard, index) for shard, skip in shards.plan(slot) for index in range(skip, sizes[shard])]
+            taken = len(samples) if last else data.draw(st.integers(0, len(samples)))
+            read += samples[:taken]
+            if taken:  # what the slot's last consumed batch reports: its shard, and the samples of it read
+                shard, index = samples[taken - 1]
+                shards.record(slot, shard, index + 1)
+        state = shard_list.state_dict()
+        shard_list = DistributedShardList(shard_list.shards, shuffle=shuffle, seed=2, num_replicas=1, rank=0)
+        shard_list.load_state_dict(state)
+    assert sorted(read) == [(shard, index) for shard, size in enumerate(sizes) for index in range(size)]

@@ -24,7 +24,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 if TYPE_CHECKING:
     from contrastive_dist.data.shards import DistributedShardList
 
-__all__ = ["Positioned", "PositionedBatch", "PositionedCollate", "ShardPipeline"]
+__all__ = ["Positioned", "PositionedBatch", "PositionedCollate", "ShardPipeline", "track_positions"]
 
 Stage = Callable[[Iterator[Any]], Iterator[Any]]
 
@@ -139,3 +139,15 @@ class ShardPipeline(IterableDataset):
             return
         for sample in samples:  # the reader's position is that of the sample the last stage just finished
             yield Positioned(sample, reader.slot, reader.shard, reader.consumed)
+
+
+def track_positions(loader: object) -> ShardPipeline | None:
+    """Make a ``DataLoader`` over a :class:`ShardPipeline` yield positioned batches; return the pipeline, or None."""
+    dataset = getattr(loader, "dataset", None)
+    collate = getattr(loader, "collate_fn", None)
+    if not isinstance(dataset, ShardPipeline) or collate is None:
+        return None
+    if not isinstance(collate, PositionedCollate):  # the DataLoader reads collate_fn when an epoch starts
+        dataset.positions = True
+        loader.collate_fn = PositionedCollate(collate)  # type: ignore[attr-defined]
+    return dataset

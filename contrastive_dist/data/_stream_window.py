@@ -1,4 +1,4 @@
-"""What :class:`~contrastive_dist.DistributedStreamingBatches` exchanges per window, and the state it saves.
+"""What :class:`~contrastive_dist.DistributedStreamingBatches` exchanges per window, how, and the state it saves.
 
 The row each rank sends per window is ``[held, then per batch slot of the window: rows, slot, shard,
 consumed]`` (int64): how many batches it holds and, per batch, its row count and where its last
@@ -12,9 +12,16 @@ import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
-__all__ = ["BATCH_FIELDS", "WindowRow", "count_rows", "decode_state", "encode_state", "progress_digest"]
+from contrastive_dist._dist import is_distributed
+from contrastive_dist.engine._wire import all_gather_single
+
+__all__ = ["BATCH_FIELDS", "WindowRow", "control_device", "count_rows", "decode_state", "encode_state", "gather_rows",
+           "progress_digest"]
 
 BATCH_FIELDS = ("rows", "slot", "shard", "consumed")
 NO_POSITION = (-1, -1, -1)
@@ -51,6 +58,23 @@ class WindowRow:
         start = 2 + len(BATCH_FIELDS) * offset
         slot, shard, consumed = self.values[start : start + 3]
         return None if slot < 0 else (slot, shard, consumed)
+
+
+def gather_rows(row: list[int], world_size: int, device: torch.device, group: ProcessGroup | None) -> list[list[int]]:
+    """Every rank's ``row`` (the same length on every rank), in rank order: one small all-gather."""
+    local = torch.tensor([row], dtype=torch.int64, device=device)
+    if world_size == 1:
+        return local.tolist()
+    table = local.new_empty((world_size, len(row)))
+    all_gather_single(table, local, group=group)
+    return table.tolist()
+
+
+def control_device(group: ProcessGroup | None) -> torch.device:
+    """Where the small exchanged rows live: beside the data the backend serves (CUDA under NCCL)."""
+    if is_distributed(group) and "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def count_rows(batch: Any) -> int:

@@ -107,14 +107,14 @@ class DistributedShardList(IterableDataset):
         # The progress per shard the next iteration of this epoch starts from (None: a fresh epoch), and, in
         # the main process, the plan and progress of the iteration under way (kept by DistributedStreamingBatches).
         self._start: list[int] | None = None
-        self.current: EpochShards | None = None
+        self._current: EpochShards | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """Use the shard order of ``epoch`` from the next ``iter()`` on; a state loaded for another epoch is dropped."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < 2**63:
             raise ValueError(f"epoch must be an int in [0, 2**63), got {epoch!r}")
         if epoch != self.epoch:
-            self._start, self.current = None, None
+            self._start, self._current = None, None
         self.epoch = epoch
 
     def _epoch_shards(self, slots: int) -> EpochShards:
@@ -159,12 +159,12 @@ class DistributedShardList(IterableDataset):
         """Start an iteration in the main process: the loaded state's rest of the epoch, or a fresh epoch."""
         if not resume:
             self._start = None
-        self.current = self._epoch_shards(self.num_replicas * max(1, num_workers))
-        return self.current
+        self._current = self._epoch_shards(self.num_replicas * max(1, num_workers))
+        return self._current
 
     def state_dict(self) -> dict[str, Any]:
         """The epoch and each shard's progress: 0 untouched, -1 finished, ``k > 0`` samples consumed."""
-        progress = self.current.progress if self.current is not None else self._start or [0] * len(self.shards)
+        progress = self._current.progress if self._current is not None else self._start or [0] * len(self.shards)
         return encode_progress(progress, epoch=self.epoch, seed=self.seed, shuffle=self.shuffle, shards=self.shards)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -175,11 +175,11 @@ class DistributedShardList(IterableDataset):
                 :meth:`state_dict` did not make; the message says what differs.
         """
         self.epoch, self._start = decode_progress(state_dict, seed=self.seed, shuffle=self.shuffle, shards=self.shards)
-        self.current = None
+        self._current = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Workers get the plan's start, not the main process's live progress (its size grows with the shards).
-        return {**self.__dict__, "current": None}
+        return {**self.__dict__, "_current": None}
 
 
 def _positive(name: str, value: object) -> int:

@@ -1,4 +1,4 @@
-"""Equal step counts for streamed data whose ranks hold different numbers of samples.
+"""Equal step counts for streamed data whose ranks hold different numbers of samples; resumable mid-epoch.
 
 When each rank reads its own shards (see :class:`~contrastive_dist.DistributedShardList`), the
 ranks' sample counts differ and a rank that runs out first stops calling DDP's collectives while
@@ -7,31 +7,24 @@ dropping the surplus breaks "every sample exactly once". :class:`DistributedStre
 wraps the rank's loader instead: a rank that has run out yields *empty* batches until every rank
 has, so all ranks run the same number of steps and every sample is used once.
 
-Where the agreement runs, and what it costs: DataLoader workers have no process group, so the
-ranks cannot agree inside the dataset or the collate function. The wrapper runs in the main
-process, where the training loop calls ``next()``: every ``lookahead`` steps it takes up to
-``lookahead`` batches from the loader and all-gathers one small int64 row per rank — how many
+Where the agreement runs: DataLoader workers have no process group, so the wrapper runs in the
+main process, where the training loop calls ``next()``. Every ``lookahead`` steps it takes up to
+``lookahead`` batches from the loader and all-gathers one small int64 row per rank: how many
 batches it holds, their row counts, and where in the stream each was read. From that table every
-rank knows, identically, how many steps the window has, each step's per-rank sizes (``sizes(step)``, to pass as
-``all_gather(..., sizes=...)`` or ``loss(..., sizes=...)``, which then skip their own size
-exchange: with ``lookahead=1`` the wrapper's exchange takes the place of the loss's rather than
-adding one; ``benchmarks/streaming.py`` measures both), and whether the epoch is over (a window
-in which every rank ran out). Ranks call ``next()`` at the same point of the same loop, so the
-exchange is ordered like every other collective.
+rank knows, identically, each step's per-rank sizes (``sizes(step)``, to pass as ``sizes=`` to a
+loss, which then skips its own size exchange) and whether the epoch is over (a window in which
+every rank ran out). ``benchmarks/streaming.py`` measures the cost.
+
+Resuming mid-epoch: over a :meth:`DistributedShardList.pipeline`, each batch says where its last
+sample was read (its worker's slot, shard and samples of that shard), that travels in the row, and
+every rank follows every rank's and worker's progress: :meth:`~DistributedStreamingBatches.state_dict`
+on any rank (Lightning saves rank 0's) describes the whole dataset. Only batches the caller
+*consumed* count: not those the workers prefetched, the window holds, or the caller fetched ahead
+(``caller_prefetch``; Lightning fetches one). Loaded on any number of ranks and workers, the rest
+of the epoch is dealt to the new slots; steps keep their numbers, as Lightning's ``batch_idx`` does.
 
 DataLoader workers forked from a process that has joined a gloo group were seen to hang at start
 (in C code, some of them); ``multiprocessing_context="forkserver"`` starts them from a clean process.
-
-Resuming mid-epoch: over a loader whose dataset is a :meth:`DistributedShardList.pipeline`, each
-batch says where its last sample was read (its worker's slot, shard and samples of that shard), and
-that travels in the window's row, so every rank follows every rank's and worker's progress and
-:meth:`~DistributedStreamingBatches.state_dict` — on any rank, Lightning saves rank 0's — describes
-the whole dataset: per shard untouched, finished or how many samples were consumed. Only batches
-the caller *consumed* count: not those the workers prefetched, not those held in the window, and
-not the ``caller_prefetch`` batches the caller fetched ahead of its step (Lightning fetches one).
-Loaded on any number of ranks and workers, the rest of the epoch is dealt to the new slots and the
-consumed part of a shard is read past without being decoded. The same step numbering continues,
-so ``sizes(step)`` matches Lightning's ``batch_idx`` after a resume.
 """
 
 from __future__ import annotations
@@ -41,21 +34,21 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import get_world_size, is_distributed
-from contrastive_dist.data._shard_pipeline import PositionedBatch, PositionedCollate, ShardPipeline
+from contrastive_dist.data._shard_pipeline import PositionedBatch, track_positions
 from contrastive_dist.data._shard_progress import EpochShards
 from contrastive_dist.data._stream_window import (
     NO_POSITION,
     WindowRow,
+    control_device,
     count_rows,
     decode_state,
     encode_state,
+    gather_rows,
     progress_digest,
 )
-from contrastive_dist.engine._wire import all_gather_single
 
 __all__ = ["DistributedStreamingBatches"]
 
@@ -131,11 +124,7 @@ class DistributedStreamingBatches:
                 "cannot build an empty batch: the loader's collate_fn([]) (or empty_batch()) raised "
                 f"{type(error).__name__}: {error}. Use collate_fn=EmptySafeCollate([example_sample])"
             ) from error
-        dataset = getattr(loader, "dataset", None)
-        self.pipeline = dataset if isinstance(dataset, ShardPipeline) and hasattr(loader, "collate_fn") else None
-        if self.pipeline is not None and not isinstance(loader.collate_fn, PositionedCollate):  # type: ignore[attr-defined]
-            self.pipeline.positions = True
-            loader.collate_fn = PositionedCollate(loader.collate_fn)  # type: ignore[attr-defined]
+        self.pipeline = track_positions(loader)
         self.loader = loader
         self.empty_batch = empty_batch
         self.lookahead = lookahead
@@ -180,7 +169,7 @@ class DistributedStreamingBatches:
         return self._steps()
 
     def _steps(self) -> Iterator[Any]:
-        world_size, device = get_world_size(self.group), _control_device(self.group)
+        world_size, device = get_world_size(self.group), control_device(self.group)
         resume, finished = self._pending, self._pending and self._finished
         if not resume:
             self._restart()
@@ -271,12 +260,7 @@ class DistributedStreamingBatches:
         self._first_step, self._steps_done, self._finished, self._pending = step, step, finished, True
 
     def _gather(self, row: list[int], world_size: int, device: torch.device) -> list[list[int]]:
-        local = torch.tensor([row], dtype=torch.int64, device=device)
-        if world_size == 1:
-            return local.tolist()
-        table = local.new_empty((world_size, len(row)))
-        all_gather_single(table, local, group=self.group)
-        return table.tolist()
+        return gather_rows(row, world_size, device, self.group)
 
     def _check_agreement(self, world_size: int, device: torch.device, resume: list[int]) -> None:
         """Raise on every rank if the ranks disagree on ``lookahead``, the epoch or what they resume."""
@@ -288,13 +272,6 @@ class DistributedStreamingBatches:
                                   f"resumed at step {row[3]} (progress {row[4]:x})" for rank, row in enumerate(table))
             raise ValueError(f"every rank must iterate with the same lookahead, epoch, number of workers and "
                              f"resumed state, got {described}")
-
-
-def _control_device(group: ProcessGroup | None) -> torch.device:
-    """Where the small exchanged rows live: beside the data the backend serves (CUDA under NCCL)."""
-    if is_distributed(group) and "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class _EmptyFromCollate:
