@@ -20,13 +20,9 @@ Plain ``DataLoader`` under torchrun / DDP::
             ...
 
 Lightning: ``contrastive_dist.lightning.distributed_loader`` builds the loader around this sampler
-from the trainer's rank and world size, resumes exactly mid-epoch with or without worker processes,
-and refuses ``use_distributed_sampler=True`` (Lightning would replace the sampler). Lightning
-advances epochs by calling ``set_epoch`` on ``loader.sampler`` and ``loader.batch_sampler.sampler``;
-:attr:`DistributedBatchSampler.sampler` is the sampler itself, so those calls arrive. The
-``training_step`` must return a loss connected to the parameters even for a 0-row batch (the losses
-of this package are): returning ``None`` makes Lightning skip the backward on that rank only, and
-the other ranks wait for it forever.
+from the trainer's rank and world size. Lightning calls ``set_epoch`` on ``loader.batch_sampler.sampler``,
+which is the sampler itself. A ``training_step`` must return a loss connected to the parameters even
+for a 0-row batch, or that rank skips the backward and the others wait for it forever.
 
 Order: each epoch's order is a seeded bijection of ``[0, length)`` evaluated only at the positions a
 batch needs (:mod:`contrastive_dist.data._permutation`: a Feistel network with cycle walking), so the first
@@ -37,15 +33,12 @@ gives a different order (every guarantee above is unchanged).
 Evaluation: ``shuffle=False`` splits a validation set across ranks in natural order with no
 sample repeated or dropped, so sums and counts reduced over ranks give exact metrics.
 
-Resuming, on the same layout or another: :meth:`~DistributedBatchSampler.state_dict` says where the
-epoch stands in terms of no layout (how many samples of the epoch's order are consumed, over how
-many steps), so it loads into a sampler with another ``num_replicas`` and/or ``batch_size``: the rest
-of the order is cut into the new layout's global batches, every sample still once per epoch. With
-the same global batch size (2 ranks × 64 → 4 × 32) the remaining global batches are those of the
-uninterrupted run, so with this package's exact losses the run does not depend on the number of
-ranks. Another dataset length, seed or ``shuffle`` is refused. Worker processes prefetch, so a loop
-saves the state of the steps it *finished*: ``state_dict(step=...)``
-(``recipes/clip_torchrun.py``); ``contrastive_dist.lightning.distributed_loader`` does it itself.
+Resuming, on the same layout or another: the state says how many samples of the epoch's order are
+consumed, not by which rank, so it loads into another ``num_replicas`` and/or ``batch_size``: the rest
+of the order is cut into the new global batches. With the same global batch size (2 ranks × 64 →
+4 × 32) they are the uninterrupted run's, so with exact losses the run does not depend on the number
+of ranks. Another length, seed or ``shuffle`` is refused. Workers prefetch, so a loop saves the steps
+it *finished* (``state_dict(step=...)``); ``distributed_loader``'s loader does it itself.
 """
 
 from __future__ import annotations
