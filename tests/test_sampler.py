@@ -441,3 +441,30 @@ def test_a_loader_resumes_what_it_yielded_whatever_its_workers_prefetched(num_wo
     fixed = ResumableLoader(data, batch_sampler=DistributedBatchSampler(37, 6, seed=2), fixed_epoch_length=True)
     with pytest.raises(ValueError, match="12 of its 37 samples were consumed in 3 step.*after 8 steps.*at the 7 steps"):
         fixed.load_state_dict(state)
+
+
+class VersionOneSampler(DistributedBatchSampler):
+    """The sampler as it saved itself before the layout-free state: the step it handed out, and its layout."""
+
+    def state_dict(self, step=None):
+        state = super().state_dict(step)
+        return {key: state[key] for key in ("epoch", "step", "seed", "length", "batch_size", "num_replicas", "shuffle")}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_checkpoint_of_the_stateful_dataloader_it_replaces_still_loads(num_workers):
+    # distributed_loader returned torchdata's StatefulDataLoader around a version-1 sampler; such checkpoints load.
+    stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
+    from contrastive_dist.data._resumable_loader import ResumableLoader
+
+    data = list(range(37))
+    order = [index for batch in DistributedBatchSampler(37, 4, seed=2) for index in batch]
+    old = stateful_dataloader.StatefulDataLoader(data, batch_sampler=VersionOneSampler(37, 4, seed=2),
+                                                 num_workers=num_workers)
+    batches = iter(old)
+    head = [index for _ in range(3) for index in next(batches).tolist()]  # workers have asked for more than 3
+    resumed = ResumableLoader(data, batch_sampler=DistributedBatchSampler(37, 6, seed=2))
+    resumed.load_state_dict(old.state_dict())
+    assert head + [index for batch in resumed for index in batch.tolist()] == order
+    with pytest.raises(ValueError, match="looks like torchdata's StatefulDataLoader's, but .*KeyError"):
+        resumed.load_state_dict({"_num_yielded": 3, "_index_sampler_state": {}})

@@ -5,12 +5,14 @@ ahead of the batches the loop received. This loader counts the batches it *yield
 iteration and saves the sampler's position after them: ``state_dict()`` at a step boundary is the
 exact point to resume from, with or without workers, and being the sampler's layout-free state it
 loads into a loader on another number of ranks or workers. The workers themselves hold no state
-for a map-style dataset, so there is nothing else to save.
+for a map-style dataset, so there is nothing else to save. Checkpoints of the loader this one
+replaces (torchdata's ``StatefulDataLoader`` around the sampler) load too: the sampler's state is
+read out of them and moved to the batches they had yielded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 from torch.utils.data import DataLoader
@@ -80,7 +82,7 @@ class ResumableLoader(DataLoader):
                 saved epoch would end after another number of steps than a fresh one here.
         """
         sampler = self._sampler()
-        sampler.load_state_dict(state_dict)
+        sampler.load_state_dict(_from_stateful_dataloader(state_dict) or state_dict)
         self._yielded = None
         fresh = -(-sampler.length // sampler.global_batch_size)
         if self.fixed_epoch_length and len(sampler) != fresh:
@@ -96,3 +98,28 @@ class ResumableLoader(DataLoader):
 
     def _sampler(self) -> DistributedBatchSampler:
         return cast(DistributedBatchSampler, self.batch_sampler)  # checked in __init__
+
+
+def _from_stateful_dataloader(state: object) -> dict[str, Any] | None:
+    """The sampler state in a torchdata ``StatefulDataLoader`` state, after the batches it yielded; else None.
+
+    Its sampler state (version 1: ``step`` is what the sampler handed out, ahead of the loop with
+    workers) was saved with ``_sampler_iter_yielded``, the batches handed out by that iteration, so
+    their difference is the step the iteration started at; plus the batches yielded, the steps done.
+    """
+    if not isinstance(state, Mapping):
+        return None
+    try:
+        if "_snapshot" in state and "_steps_since_snapshot" in state:  # with workers
+            snapshot = state["_snapshot"]
+            main, yielded = snapshot["_main_snapshot"], snapshot["_snapshot_step"] + state["_steps_since_snapshot"]
+        elif "_num_yielded" in state and "_index_sampler_state" in state:  # without
+            main, yielded = state, state["_num_yielded"]
+        else:
+            return None
+        sampler = dict(main["_index_sampler_state"])
+        sampler["step"] = sampler["step"] - main["_sampler_iter_yielded"] + yielded
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"cannot resume: the state looks like torchdata's StatefulDataLoader's, but its sampler "
+                         f"state could not be read ({type(error).__name__}: {error})") from error
+    return sampler
