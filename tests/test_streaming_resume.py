@@ -162,7 +162,7 @@ def test_a_stream_saved_mid_epoch_resumes_on_other_layouts_every_sample_once_wit
         return name, {"shards": shards, "decoded_dir": str(dirs[name]), "lookahead": 1, "stop_after": None, **options}
 
     two = launch(tmp_path, 2, [segment("first", num_workers=2, state=None, stop_after=2),
-                               segment("same", num_workers=2, state="first")], timeout=240)
+                               segment("same", num_workers=2, state="first")], timeout=180)
     saved = two[0]["first"]["states"][0]
     first = consumed(two, "first")
     progress = saved["shards"]["progress"]
@@ -170,10 +170,10 @@ def test_a_stream_saved_mid_epoch_resumes_on_other_layouts_every_sample_once_wit
     three = launch(tmp_path, 3, [segment("three", num_workers=1, state=saved, lookahead=2),
                                  segment("three_stop", num_workers=1, state=saved, stop_after=2),
                                  ("refused", {"shards": shards, "state": saved, "decoded_dir": str(dirs["refused"])})],
-                   timeout=240)
+                   timeout=180)
     again = three[0]["three_stop"]["states"][0]
     alone = launch(tmp_path, 1, [segment("alone", num_workers=0, state=saved),
-                                 segment("second", num_workers=0, state=again)], timeout=240)
+                                 segment("second", num_workers=0, state=again)], timeout=180)
 
     assert sorted(first + consumed(two, "same")) == every
     assert sorted(first + consumed(three, "three")) == every
