@@ -2,20 +2,22 @@
 
 Three functions, nothing to subclass:
 
-* :func:`distributed_loader` builds, when Lightning asks for a loader, a torchdata
-  ``StatefulDataLoader`` over a :class:`~contrastive_dist.DistributedBatchSampler` (rank and world
-  size from the trainer) with an :class:`~contrastive_dist.EmptySafeCollate`. Every sample is seen
-  exactly once per epoch, every rank runs the same number of steps, and Lightning's ``set_epoch``
-  calls reach the sampler, so each epoch has a new order. The loader has ``state_dict`` /
-  ``load_state_dict``, which Lightning saves in every checkpoint and restores on
-  ``trainer.fit(..., ckpt_path=...)``: a run resumed from a mid-epoch checkpoint continues with the
-  very next global batch, with or without worker processes (the loader accounts for their prefetching).
+* :func:`distributed_loader` builds, when Lightning asks for a loader, a ``DataLoader`` over a
+  :class:`~contrastive_dist.DistributedBatchSampler` (rank and world size from the trainer) with an
+  :class:`~contrastive_dist.EmptySafeCollate`. Every sample is seen exactly once per epoch, every
+  rank runs the same number of steps, and Lightning's ``set_epoch`` calls reach the sampler, so each
+  epoch has a new order. The loader has ``state_dict`` / ``load_state_dict`` (the sampler's position
+  after the batches the loader *yielded*, whatever its workers prefetched), which Lightning saves in
+  every checkpoint and restores on ``trainer.fit(..., ckpt_path=...)``: a run resumed from a
+  mid-epoch checkpoint continues with the very next global batch, on any number of devices or
+  workers (keep the global batch size: Lightning fixes the steps of an epoch for a whole ``fit``).
 * :func:`streaming_loader` does the same for sharded streams (webdataset tar shards, say): each
   rank and DataLoader worker reads its own shards (:class:`~contrastive_dist.DistributedShardList`)
   and a rank that runs out yields empty batches until every rank has
-  (:class:`~contrastive_dist.DistributedStreamingBatches`), so uneven shards never hang DDP. A
-  stream cannot seek: resume it from a checkpoint saved at the end of an epoch (from one saved
-  mid-epoch, :func:`step_sizes` raises a ``ValueError`` that says so).
+  (:class:`~contrastive_dist.DistributedStreamingBatches`), so uneven shards never hang DDP. Its
+  state is every shard's progress (untouched, finished, or samples consumed), the same on every
+  rank: a mid-epoch checkpoint resumes with exactly the samples not yet consumed, on any number of
+  devices or workers, reading past the consumed part of a shard without decoding it.
 * :func:`step_sizes` gives the per-rank batch sizes of the current training step, for either
   loader, to pass to a loss as ``sizes=`` so that it skips its size exchange: the training step is
   the same for map-style and streamed data.
@@ -26,8 +28,8 @@ The ``training_step`` must return a loss connected to the parameters on a rank w
 empty (the losses of this package do); returning ``None`` there makes that rank skip the backward
 and the other ranks wait for it forever.
 
-Lightning, torchdata, webdataset and this module are imported only when used: ``import
-contrastive_dist`` imports none of them.
+Lightning and this module are imported only when used: ``import contrastive_dist`` imports
+neither (nor webdataset, whose stages the user passes to :func:`streaming_loader`).
 
 Example:
     >>> import torch
@@ -42,19 +44,16 @@ Example:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.utils.data import DataLoader, default_collate
 
+from contrastive_dist.data._resumable_loader import ResumableLoader
 from contrastive_dist.data.collate import EmptySafeCollate
 from contrastive_dist.data.sampler import DistributedBatchSampler
 from contrastive_dist.data.shards import DistributedShardList
 from contrastive_dist.data.streaming import DistributedStreamingBatches
-
-if TYPE_CHECKING:
-    from torchdata.stateful_dataloader import StatefulDataLoader
 
 __all__ = ["distributed_loader", "step_sizes", "streaming_loader"]
 
@@ -84,11 +83,13 @@ def distributed_loader(
     collate_fn: Callable[[list[Any]], Any] = default_collate,
     num_workers: int = 0,
     **loader_options: Any,
-) -> StatefulDataLoader:
+) -> DataLoader:
     """A resumable, drop-last-free ``DataLoader`` for this rank, for ``*_dataloader()`` hooks.
 
     Call it from ``train_dataloader()`` / ``val_dataloader()`` (the trainer knows its rank and
     world size by then): ``return distributed_loader(self.train_set, self.trainer, batch_size=64)``.
+    A checkpoint saved on one number of devices or workers resumes on another; with the same
+    global batch size (``batch_size`` × devices) the remaining global batches are the same.
 
     Args:
         dataset: a map-style dataset (``len()`` and ``dataset[i]``) with at least one sample.
@@ -100,22 +101,23 @@ def distributed_loader(
         seed: the base seed of the order; the same on every rank.
         collate_fn: collates a non-empty list of samples; an empty rank's batch is derived from it.
         num_workers: DataLoader worker processes; they persist across epochs when there are any.
-        **loader_options: any other ``StatefulDataLoader`` option (``pin_memory``, ``prefetch_factor``, ...).
+        **loader_options: any other ``DataLoader`` option (``pin_memory``, ``prefetch_factor``, ...).
 
     Returns:
-        A ``torchdata.stateful_dataloader.StatefulDataLoader`` whose ``batch_sampler`` is the
-        :class:`~contrastive_dist.DistributedBatchSampler`.
+        A ``DataLoader`` whose ``batch_sampler`` is the :class:`~contrastive_dist.DistributedBatchSampler`,
+        with ``state_dict()`` / ``load_state_dict()``: the sampler's state after the batches it yielded.
 
     Raises:
-        ValueError: the trainer would replace the sampler (``use_distributed_sampler=True`` under DDP).
+        ValueError: the trainer would replace the sampler (``use_distributed_sampler=True`` under DDP);
+            at ``load_state_dict``, a state the sampler refuses, or (with a trainer) one saved
+            mid-epoch with another global batch size that changes the number of steps of the epoch,
+            which Lightning keeps for a whole ``fit``.
         TypeError: ``dataset`` has no ``len()``, or an option has the wrong type.
 
     Shape:
         - each batch: ``collate_fn`` of ``step_sizes(trainer, step)[rank]`` samples (possibly 0).
 
     """
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
     for name in ("batch_sampler", "sampler", "batch_size", "shuffle", "drop_last"):
         if name in loader_options:
             raise TypeError(f"distributed_loader sets {name!r} itself; got it in loader_options")
@@ -127,16 +129,14 @@ def distributed_loader(
     placement = {} if trainer is None else {"num_replicas": trainer.world_size, "rank": trainer.global_rank}
     sampler = DistributedBatchSampler(length, batch_size, shuffle=shuffle, seed=seed, **placement)
     loader_options.setdefault("persistent_workers", num_workers > 0)
-    with warnings.catch_warnings():
-        # torchdata 0.11 calls a torch function that torch >= 2.9 deprecates: noise for the user.
-        warnings.filterwarnings("ignore", message=".*set_vital.*")
-        return StatefulDataLoader(
-            dataset,
-            batch_sampler=sampler,
-            collate_fn=EmptySafeCollate(dataset, collate_fn),
-            num_workers=num_workers,
-            **loader_options,
-        )
+    return ResumableLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=EmptySafeCollate(dataset, collate_fn),
+        num_workers=num_workers,
+        fixed_epoch_length=trainer is not None,
+        **loader_options,
+    )
 
 
 def streaming_loader(
@@ -152,22 +152,26 @@ def streaming_loader(
     lookahead: int = 1,
     **loader_options: Any,
 ) -> DistributedStreamingBatches:
-    """Drop-last-free batches of a sharded stream for this rank, for ``train_dataloader()``; needs webdataset.
+    """Drop-last-free, resumable batches of a sharded stream for this rank, for ``train_dataloader()``.
 
     Call it from ``train_dataloader()``: ``return streaming_loader(urls, self.trainer,
     wds.tarfile_to_samples(), wds.decode("pil"), wds.map(preprocess), batch_size=64, example=...)``.
     The shards are split over the trainer's ranks and each rank's DataLoader workers
     (:class:`~contrastive_dist.DistributedShardList`, a new seeded order each epoch), the samples
-    flow through ``stages`` (a ``webdataset.DataPipeline``), and the batches are wrapped in a
-    :class:`~contrastive_dist.DistributedStreamingBatches`: every rank runs the same number of
-    steps, every sample is used once per epoch. Lightning's ``set_epoch`` reaches the shard order.
+    flow through ``stages`` (:meth:`~contrastive_dist.DistributedShardList.pipeline`), and the
+    batches are wrapped in a :class:`~contrastive_dist.DistributedStreamingBatches`: every rank runs
+    the same number of steps, every sample is used once per epoch. Lightning's ``set_epoch``
+    reaches the shard order, and its checkpoints hold the stream's progress: ``trainer.fit(...,
+    ckpt_path=...)`` resumes mid-epoch, on the same or another number of devices and workers.
 
     Args:
         shards: the shard names or URLs of the whole dataset, the same list on every rank.
         trainer: the ``lightning.Trainer`` (rank and world size are read from it), or ``None``
             to read them from the default process group (one process without one).
         *stages: webdataset pipeline stages after the shard list (``wds.tarfile_to_samples()``,
-            ``wds.decode(...)``, ``wds.map(...)``, ...); picklable when ``num_workers > 0``.
+            ``wds.decode(...)``, ``wds.map(...)``, ...); picklable when ``num_workers > 0``. The
+            first reads shards into samples that name their shard in ``__url__``; stages that hold
+            samples back (a shuffle buffer) lose what they hold at a mid-epoch checkpoint.
         batch_size: samples per rank per step (a rank's last batches may be smaller or empty).
         example: one sample as the stages yield it; it shapes the empty batch of a rank that ran out.
         shuffle: a new shard order each epoch; ``False`` reads shard ``i`` on rank ``i % world size``
@@ -203,8 +207,6 @@ def streaming_loader(
         [([0, 1], (2,)), ([2, 3], (2,)), ([4], (1,))]
 
     """
-    import webdataset as wds
-
     for name in ("batch_sampler", "sampler", "batch_size", "shuffle", "drop_last", "persistent_workers"):
         if name in loader_options:
             raise TypeError(f"streaming_loader sets {name!r} itself; got it in loader_options")
@@ -221,13 +223,22 @@ def streaming_loader(
     if num_workers > 0:
         loader_options.setdefault("multiprocessing_context", "forkserver")
     loader = DataLoader(
-        wds.DataPipeline(shard_list, *stages),
+        shard_list.pipeline(*stages),
         batch_size=batch_size,
         collate_fn=collate,
         num_workers=num_workers,
         **loader_options,
     )
-    return DistributedStreamingBatches(loader, lookahead=lookahead)
+    # Lightning fetches one batch ahead of the step it trains on (it has no length to stop at).
+    return DistributedStreamingBatches(loader, lookahead=lookahead, caller_prefetch=0 if trainer is None else 1)
+
+
+_NOT_RESTORED = (
+    " (a run resumed from a checkpoint whose loader was never given its saved position: Lightning builds the "
+    "train loader before it restores a checkpoint when configure_optimizers reads trainer.estimated_stepping_"
+    "batches with max_epochs set, and then skips the loader's state, Lightning issue #20550; compute the "
+    "schedule's length without it)"
+)
 
 
 def step_sizes(trainer: Any, batch_idx: int) -> tuple[int, ...]:
@@ -245,18 +256,21 @@ def step_sizes(trainer: Any, batch_idx: int) -> tuple[int, ...]:
 
     Raises:
         TypeError: the training loader is none of these.
-        ValueError: ``batch_idx`` is not a step of the epoch (for a stream: not one of its recent steps).
+        ValueError: ``batch_idx`` is not a step of the epoch (for a stream: not one of its recent steps), or
+            not the step of the loader's batch (a resumed loader whose state Lightning did not restore).
 
     """
     loader = trainer.train_dataloader
     if isinstance(loader, DistributedStreamingBatches):
-        # Known once the ranks agreed on the step; Lightning fetches one batch ahead, kept too.
+        # Known once the ranks agreed on the step; Lightning fetches one batch ahead, kept too. A resumed
+        # stream numbers its steps on from the checkpoint's, as Lightning's batch_idx does.
         try:
             return loader.sizes(batch_idx)
         except ValueError as error:
-            # Lightning resumes batch_idx mid-epoch, but a stream restarts its epoch at step 0.
-            raise ValueError(f"{error} (a stream cannot resume mid-epoch: resume from a checkpoint saved at the "
-                             "end of an epoch)") from error
+            raise ValueError(f"{error}{_NOT_RESTORED}") from error
+    if isinstance(loader, ResumableLoader) and loader.current_step not in (None, batch_idx):
+        raise ValueError(f"Lightning trains step {batch_idx} of the epoch, but the loader's batch is its step "
+                         f"{loader.current_step}{_NOT_RESTORED}")
     sampler = getattr(loader, "batch_sampler", None)
     if not isinstance(sampler, DistributedBatchSampler):
         raise TypeError(

@@ -25,8 +25,9 @@ torchrun (Lightning reads the torchelastic environment; devices and nodes follow
 
 Real data: ``--data csv:PATH`` with ``filepath`` and ``title`` columns (tab or comma separated;
 ``--csv-image-column``/``--csv-caption-column`` rename them); the last ``--val-size`` rows are held
-out. Resume: ``--resume runs/clip/checkpoints/last.ckpt`` (mid-epoch is fine). Batches beyond what the
-activations allow: ``--grad-cache M`` encodes M rows at a time and re-encodes them in backward
+out. Resume: ``--resume runs/clip/checkpoints/last.ckpt`` (mid-epoch is fine, on another number of
+devices too: keep ``--batch-size`` × devices to continue with the very same global batches). Batches
+beyond what the activations allow: ``--grad-cache M`` encodes M rows at a time and re-encodes them in backward
 (``contrastive_dist.grad_cache``; exact with ``--norm group``, BatchNorm sees M-row statistics).
 
 Sharded streams: ``--data webdataset:PATH``, PATH a directory of ``.tar`` shards or a brace pattern
@@ -34,9 +35,10 @@ Sharded streams: ``--data webdataset:PATH``, PATH a directory of ``.tar`` shards
 is the files of one key in a shard: an image (``jpg``, ``jpeg``, ``png`` or ``webp``) and its caption
 (``txt``), as img2dataset writes them; a numeric key is the sample's id in the logs. Each rank and
 DataLoader worker reads its own shards, a new order each epoch; a rank that runs out trains on
-empty batches until every rank has (``contrastive_dist.lightning.streaming_loader``). The first
-``--val-size`` samples of ``--val-data PATH`` are held out (default: of the last shard, which is then
-not trained on). No download needed to try it::
+empty batches until every rank has (``contrastive_dist.lightning.streaming_loader``); ``--resume``
+continues mid-epoch with the samples not yet consumed, on any number of devices and workers. The
+first ``--val-size`` samples of ``--val-data PATH`` are held out (default: of the last shard, which is
+then not trained on). No download needed to try it::
 
     python recipes/clip.py --write-shards shards/            # the shapes data as .tar shards
     python recipes/clip.py --data webdataset:shards/
@@ -212,8 +214,6 @@ def webdataset_data(location: str, args: argparse.Namespace) -> tuple[Shards, li
     """Training shards streamed; the first ``--val-size`` samples of ``--val-data`` (or of the last shard) held out."""
     import webdataset as wds
 
-    if args.resume is not None:
-        raise ValueError("--resume is not supported with --data webdataset: (a stream cannot seek to the step)")
     if args.max_steps <= 0 and args.optimizer == "adamw":
         raise ValueError("--data webdataset: has no length to plan the learning-rate schedule: give --max-steps")
     urls = shard_urls(location)

@@ -11,6 +11,8 @@ per-rank sizes, and held-out image→text / text→image recall at the end.
         --resume runs/clip_torchrun/checkpoint.pt                                       # continue a run
     torchrun --standalone --nproc-per-node 2 recipes/clip_torchrun.py --batch-size 1024 \\
         --grad-cache 64                                     # activations of 64 rows at a time (grad_cache)
+    torchrun --standalone --nproc-per-node 4 recipes/clip_torchrun.py --max-steps 600 --batch-size 32 \\
+        --resume runs/clip_torchrun/checkpoint.pt    # ... on 4 processes: the same global batch, the same batches
 """
 
 from __future__ import annotations
@@ -161,19 +163,26 @@ def main() -> None:
     sampler = DistributedBatchSampler(train_set, args.batch_size, seed=args.seed)
     loader = DataLoader(train_set, batch_sampler=sampler, collate_fn=EmptySafeCollate(train_set),
                         num_workers=args.num_workers)
-    step, epoch, first = 0, 0, 0
+    step, epoch, first, resumed = 0, 0, 0, ""
     if args.resume is not None:
         state = torch.load(args.resume, map_location=device, weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        sampler.load_state_dict(state["sampler"])  # the next iter() continues that epoch at that step
-        step, epoch, first = state["step"], state["sampler"]["epoch"], state["sampler"]["step"]
+        # The sampler's state says how much of the epoch's order is consumed, not by which rank: any number of
+        # processes and any batch size continue it; the rest of the epoch is cut into this run's global batches.
+        sampler.load_state_dict(state["sampler"])
+        step, epoch, first = state["step"], sampler.epoch, sampler.first_step
+        saved = (state["sampler"]["num_replicas"], state["sampler"]["batch_size"])
+        if saved != (sampler.num_replicas, sampler.batch_size):
+            same = saved[0] * saved[1] == sampler.global_batch_size
+            resumed = (f"; resumed on {sampler.num_replicas} processes × {sampler.batch_size} from a run on "
+                       f"{saved[0]} × {saved[1]} ({'the same global batch' if same else 'another global batch'})")
 
     def save(epoch: int, batches_done: int) -> None:
         if rank != 0:
             return
         # Workers prefetch, so the sampler has handed out more batches than the loop used: store the loop's count.
-        position = {**sampler.state_dict(), "epoch": epoch, "step": batches_done}
+        position = sampler.state_dict(step=batches_done)
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "sampler": position, "step": step}
         args.output_dir.mkdir(parents=True, exist_ok=True)
         torch.save(state, args.output_dir / "checkpoint.pt")
@@ -202,7 +211,8 @@ def main() -> None:
     if rank == 0:
         metrics = "  ".join(f"{key} {value:.3f}" for key, value in recall.items())
         print(f"held-out recall over {len(held_out)} pairs (chance R@1 {1 / len(held_out):.3f}): {metrics}")
-        print(f"{step} steps in {time.perf_counter() - start:.0f} s; checkpoint: {args.output_dir / 'checkpoint.pt'}")
+        print(f"{step} steps in {time.perf_counter() - start:.0f} s{resumed}; checkpoint: "
+              f"{args.output_dir / 'checkpoint.pt'}")
     dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
 

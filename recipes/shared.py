@@ -235,15 +235,28 @@ class EndOfRun(Callback):
     """``last.ckpt`` every ``every`` steps and at the end, saved mid-epoch; a validation after the last step.
 
     Saved from ``on_train_batch_end``, a run stopped by ``--max-steps`` resumes mid-epoch (the
-    loader's position is in the checkpoint). Asking the trainer to stop at the last step makes
-    Lightning validate there, so every run ends with held-out metrics and a ``best.ckpt``.
+    loader's position is in the checkpoint), on the same or another number of processes or
+    workers. Asking the trainer to stop at the last step makes Lightning validate there, so every
+    run ends with held-out metrics and a ``best.ckpt``. The checkpoint records the layout that saved
+    it, for the summary of a run resumed on another.
     """
 
-    def __init__(self, path: Path, every: int) -> None:
+    def __init__(self, path: Path, every: int, *, batch_size: int, num_workers: int) -> None:
         self.path, self.every, self.saved_at, self.start_step = path, every, -1, 0
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.saved_layout: dict[str, int] | None = None  # of the checkpoint this run resumed from, when it says
+
+    def layout(self, trainer: L.Trainer) -> dict[str, int]:
+        return {"processes": trainer.world_size, "batch_size": self.batch_size, "num_workers": self.num_workers}
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.start_step = trainer.global_step  # > 0 when resumed
+
+    def on_save_checkpoint(self, trainer: L.Trainer, module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        checkpoint["recipe_layout"] = self.layout(trainer)
+
+    def on_load_checkpoint(self, trainer: L.Trainer, module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self.saved_layout = checkpoint.get("recipe_layout")
 
     def _save(self, trainer: L.Trainer) -> None:
         trainer.save_checkpoint(self.path, weights_only=False)
@@ -290,12 +303,28 @@ def make_trainer(args: argparse.Namespace, *, monitor: str, callbacks: Sequence[
         # contrastive_dist.lightning's loaders split every global batch themselves: no padding, no drop.
         use_distributed_sampler=False,
         logger=[CSVLogger(args.output_dir, name="logs"), TensorBoardLogger(args.output_dir, name="tensorboard")],
-        callbacks=[best, EndOfRun(checkpoints / "last.ckpt", args.checkpoint_every),
+        callbacks=[best, EndOfRun(checkpoints / "last.ckpt", args.checkpoint_every, batch_size=args.batch_size,
+                                  num_workers=args.num_workers),
                    *([] if interactive else [PlainProgress()]), *callbacks],
         enable_progress_bar=interactive, default_root_dir=args.output_dir, val_check_interval=args.val_every,
         check_val_every_n_epoch=None, num_sanity_val_steps=0,
         log_every_n_steps=max(1, min(10, args.val_every, args.max_steps if args.max_steps > 0 else 10)),
     )
+
+
+def planned_steps(module: L.LightningModule, args: argparse.Namespace) -> float:
+    """The optimizer steps of the run, for the schedule, without Lightning building its train loader early.
+
+    ``trainer.estimated_stepping_batches`` builds the train loader when ``max_epochs`` is set, before a
+    resumed checkpoint is restored, and Lightning then never gives the loader its saved position
+    (Lightning issue #20550): the epoch would restart. Its length comes from a loader of our own instead.
+    """
+    if args.max_epochs == -1:
+        return module.trainer.estimated_stepping_batches  # max_steps: no loader needed
+    loader = module.train_dataloader()
+    per_epoch = len(loader) if hasattr(loader, "__len__") else math.inf  # a stream has no length
+    total = per_epoch * args.max_epochs
+    return min(total, args.max_steps) if args.max_steps > 0 else total
 
 
 def optimizer_and_schedule(module: L.LightningModule, args: argparse.Namespace) -> Any:
@@ -305,7 +334,7 @@ def optimizer_and_schedule(module: L.LightningModule, args: argparse.Namespace) 
     groups = [{"params": [p for p in module.parameters() if p.ndim >= 2], "weight_decay": args.weight_decay},
               {"params": [p for p in module.parameters() if p.ndim < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=args.lr)
-    total = max(int(module.trainer.estimated_stepping_batches), 1)
+    total = max(int(planned_steps(module, args)), 1)
     warmup = max(total // 20, 1)
 
     def schedule(step: int) -> float:
@@ -383,6 +412,12 @@ def print_summary(title: str, rows: list[dict[str, float]], chance: dict[str, fl
     (end_of_run,) = [callback for callback in trainer.callbacks if isinstance(callback, EndOfRun)]
     first, last = end_of_run.start_step, trainer.global_step
     steps = f"{last} steps" if first == 0 else f"steps {first + 1}-{last} (resumed; the run has {last} steps)"
+    saved, now = end_of_run.saved_layout, end_of_run.layout(trainer)
+    if first and saved is not None and saved != now:
+        same = saved["processes"] * saved["batch_size"] == now["processes"] * now["batch_size"]
+        steps += (f", resumed on {now['processes']} process(es) × {now['batch_size']} with {now['num_workers']} "
+                  f"worker(s) from {saved['processes']} × {saved['batch_size']} with {saved['num_workers']} "
+                  f"({'the same' if same else 'another'} global batch)")
     lines = [f"== {title}: done in {seconds:.0f} s on {trainer.world_size} process(es), {steps} =="]
     for key, reference in chance.items():
         values = [row[key] for row in rows if key in row]

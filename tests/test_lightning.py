@@ -1,9 +1,11 @@
-"""contrastive_dist.lightning under real Lightning DDP (ddp_spawn, 2 CPU processes, gloo).
+"""contrastive_dist.lightning under real Lightning DDP (ddp_spawn, CPU processes, gloo).
 
-One scenario per worker setting: train 2 steps of epoch 0 (a mid-epoch checkpoint), resume from
-it to the end of epoch 1. Checked against a float64 one-process loop over the same global batches:
-every sample exactly once per epoch in the reference order (set_epoch reshuffles), the last step
-split [1, 0] (an empty rank), and the final weights.
+One scenario per worker setting: train 1 step of epoch 0 on 2 devices × 6 (a mid-epoch checkpoint),
+resume from it on 3 devices × 4, the same global batch of 12, to the end of epoch 1, with another
+number of DataLoader workers. Checked against a float64 one-process loop over the same global
+batches: every sample exactly once per epoch in the reference order (set_epoch reshuffles), the
+last step split [1, 0, 0] (empty ranks), and the final weights. A resume that would change the
+number of steps of the epoch (3 devices × 6) is refused before any step.
 """
 
 from __future__ import annotations
@@ -23,11 +25,10 @@ from torch.utils.data import DataLoader, Dataset
 from contrastive_dist import DistributedBatchSampler, DistributedInfoNCE
 
 L = pytest.importorskip("lightning")
-pytest.importorskip("torchdata")
 
 from contrastive_dist.lightning import distributed_loader, step_sizes  # noqa: E402
 
-LENGTH, BATCH_SIZE, SEED, LR, SCALE = 17, 4, 7, 0.5, 3.0  # global batches 8, 8, 1: the last splits [1, 0]
+LENGTH, GLOBAL_BATCH, SEED, LR, SCALE = 37, 12, 7, 0.5, 3.0  # global batches 12, 12, 12, 1: the last one alone
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -49,21 +50,23 @@ def towers() -> tuple[nn.Module, nn.Module]:
 class PairModule(L.LightningModule):
     """A two-tower contrastive model trained with DistributedInfoNCE, recording what each step saw."""
 
-    def __init__(self, out_dir: str, num_workers: int, tag: str) -> None:
+    def __init__(self, out_dir: str, num_workers: int, tag: str, batch_size: int) -> None:
         super().__init__()
         self.image, self.text = towers()
         self.loss = DistributedInfoNCE()
-        self.out_dir, self.num_workers, self.tag = out_dir, num_workers, tag
+        self.out_dir, self.num_workers, self.tag, self.batch_size = out_dir, num_workers, tag, batch_size
         self.seen: list[tuple[int, int, list[int], list[int]]] = []
 
     def train_dataloader(self):
-        return distributed_loader(PointDataset(), self.trainer, batch_size=BATCH_SIZE, seed=SEED,
+        return distributed_loader(PointDataset(), self.trainer, batch_size=self.batch_size, seed=SEED,
                                   num_workers=self.num_workers)
 
     def training_step(self, batch, batch_idx):
         points, ids = batch
         sizes = step_sizes(self.trainer, batch_idx)
         self.seen.append((self.current_epoch, batch_idx, ids.tolist(), list(sizes)))
+        with open(Path(self.out_dir, f"{self.tag}-rank{self.global_rank}.steps"), "a") as steps:
+            steps.write(f"{self.current_epoch} {batch_idx}\n")  # written as it happens, kept if a later step fails
         # With sizes= the loss verifies them against the rows every rank holds: a wrong tuple raises.
         return self.loss(self.image(points), self.text(points.flip(1)), SCALE, sizes=sizes)
 
@@ -81,7 +84,7 @@ def reference(epochs: int) -> tuple[list[list[int]], list[list[float]]]:
     image, text = towers()
     optimizer = torch.optim.SGD([*image.parameters(), *text.parameters()], lr=LR)
     dataset = PointDataset()
-    sampler = DistributedBatchSampler(LENGTH, 2 * BATCH_SIZE, num_replicas=1, rank=0, seed=SEED)
+    sampler = DistributedBatchSampler(LENGTH, GLOBAL_BATCH, num_replicas=1, rank=0, seed=SEED)
     orders = []
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
@@ -105,36 +108,53 @@ def trainer(**options):
     return L.Trainer(**{**defaults, **options})
 
 
-@pytest.mark.timeout(420)
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_ddp_mid_epoch_resume_sees_every_sample_once_and_trains_to_the_weights_of_one_process(tmp_path, num_workers):
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("workers_saved", "workers_resumed"), [(0, 2), (2, 0)])
+def test_ddp_resume_on_three_devices_sees_every_sample_once_and_trains_to_the_weights_of_one_process(
+    tmp_path, workers_saved, workers_resumed
+):
     out = str(tmp_path)
-    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
-    trainer(max_steps=2, callbacks=[saver]).fit(PairModule(out, num_workers, "first"))
-    checkpoint = tmp_path / "epoch=0-step=2.ckpt"
+    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    trainer(max_steps=1, callbacks=[saver]).fit(PairModule(out, workers_saved, "first", GLOBAL_BATCH // 2))
+    checkpoint = tmp_path / "epoch=0-step=1.ckpt"
     assert checkpoint.exists()
-    trainer(max_epochs=2, enable_checkpointing=False).fit(PairModule(out, num_workers, "resumed"), ckpt_path=checkpoint)
+    resumed = PairModule(out, workers_resumed, "resumed", GLOBAL_BATCH // 3)
+    trainer(devices=3, max_epochs=2, enable_checkpointing=False).fit(resumed, ckpt_path=checkpoint)
 
     # The launcher may return although a child failed: trust only what each rank wrote.
-    runs = {tag: [json.loads((tmp_path / f"{tag}-rank{rank}.json").read_text()) for rank in range(2)]
+    runs = {tag: [json.loads(path.read_text()) for path in sorted(tmp_path.glob(f"{tag}-rank*.json"))]
             for tag in ("first", "resumed")}
+    assert [len(runs["first"]), len(runs["resumed"])] == [2, 3]
     reference_orders, reference_weights = reference(2)
     assert reference_orders[0] != reference_orders[1]  # set_epoch reached the sampler
     for epoch in range(2):
-        per_rank = [[entry for tag in ("first", "resumed") for entry in runs[tag][rank]["seen"] if entry[0] == epoch]
-                    for rank in range(2)]
-        assert [[entry[1] for entry in steps] for steps in per_rank] == [[0, 1, 2], [0, 1, 2]]  # no step twice
-        assert [len(per_rank[rank][-1][2]) for rank in range(2)] == [1, 0]  # rank 1 trained on an empty batch
-        assert [entry[3] for entry in per_rank[0]] == [[4, 4], [4, 4], [1, 0]]  # step_sizes, resumed included
-        # Rank 0's share, then rank 1's, step by step: the global order of the epoch.
-        order = [index for step in range(3) for rank in range(2) for index in per_rank[rank][step][2]]
+        # step -> (per-rank ids, step_sizes), from whichever run took the step.
+        steps = {}
+        for tag in ("first", "resumed"):
+            for rank_record in runs[tag]:
+                for entry_epoch, step, ids, sizes in rank_record["seen"]:
+                    if entry_epoch == epoch:
+                        steps.setdefault(step, {"ids": [], "sizes": sizes, "tag": tag})["ids"].append(ids)
+        assert sorted(steps) == [0, 1, 2, 3]  # no step twice, none missing
+        assert [steps[step]["tag"] for step in range(4)] == (["first"] + ["resumed"] * 3 if epoch == 0 else
+                                                              ["resumed"] * 4)
+        assert [steps[step]["sizes"] for step in range(4)] == ([[6, 6]] if epoch == 0 else [[4, 4, 4]]) + [
+            [4, 4, 4]] * 2 + [[1, 0, 0]]  # step_sizes, resumed included; two ranks with an empty last batch
+        # Ranks' shares in rank order, step by step: the global order of the epoch.
+        order = [index for step in range(4) for part in steps[step]["ids"] for index in part]
         assert order == reference_orders[epoch]
         assert sorted(order) == list(range(LENGTH))
-    assert [entry[:2] for entry in runs["resumed"][0]["seen"]][:1] == [[0, 2]]  # resumed mid-epoch 0
     for record in runs["resumed"]:
         got = [value for tensor in record["weights"] for value in tensor]
         expected = [value for tensor in reference_weights for value in tensor]
         assert got == pytest.approx(expected, rel=1e-10, abs=1e-12)
+
+    # 3 devices × 8 is another global batch: the rest of epoch 0 would take 2 steps after the first, 3 in
+    # all, but Lightning keeps every epoch at the 2 steps of a fresh one. Refused before any step.
+    refused = PairModule(out, workers_resumed, "refused", 8)
+    with pytest.raises(Exception, match="12 of its 37 samples.*end after 3 steps.*at the 2 steps of a fresh one"):
+        trainer(devices=3, max_epochs=2, enable_checkpointing=False).fit(refused, ckpt_path=checkpoint)
+    assert not list(tmp_path.glob("refused-rank*"))  # no rank took a step
 
 
 def test_a_trainer_that_would_replace_the_sampler_is_refused():
@@ -142,7 +162,8 @@ def test_a_trainer_that_would_replace_the_sampler_is_refused():
     with pytest.raises(ValueError, match="use_distributed_sampler=False"):
         distributed_loader(dataset, trainer(use_distributed_sampler=True), batch_size=4)
     loader = distributed_loader(dataset, trainer(), batch_size=4, shuffle=False)  # not launched: rank 0 of 2
-    assert [ids.tolist() for _, ids in loader] == [[0, 1, 2, 3], [8, 9, 10, 11], [16]]
+    assert [ids.tolist() for _, ids in loader] == [[0, 1, 2, 3], [8, 9, 10, 11], [16, 17, 18, 19], [24, 25, 26, 27],
+                                                   [32, 33, 34]]
     with pytest.raises(TypeError, match="sets 'drop_last' itself"):
         distributed_loader(dataset, None, batch_size=4, drop_last=True)
 
@@ -171,3 +192,16 @@ def test_readme_lightning_module_trains_on_two_processes(tmp_path):
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=200)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "every sample once" in result.stdout
+
+
+def test_step_sizes_refuses_a_step_that_is_not_the_loaders_batch():
+    # What a resumed run looks like when Lightning never gave the loader its saved position (Lightning
+    # issue #20550): its batch_idx continues from the checkpoint, the loader starts the epoch again.
+    class ResumedTrainer:  # what step_sizes reads of a Trainer
+        train_dataloader = distributed_loader(PointDataset(), None, batch_size=4)
+
+    next(iter(ResumedTrainer.train_dataloader))
+    assert step_sizes(ResumedTrainer(), 0) == (4,)
+    with pytest.raises(ValueError, match="Lightning trains step 2 of the epoch, but the loader's batch is its step 0 "
+                                         r"\(a run resumed .*issue #20550"):
+        step_sizes(ResumedTrainer(), 2)

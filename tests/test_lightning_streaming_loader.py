@@ -105,12 +105,13 @@ def test_one_process_options_and_refusals(tmp_path: Path) -> None:
         train_dataloader = batches
 
     assert step_sizes(Trainer(), 3) == (3,)
-    with pytest.raises(ValueError, match="sizes of step 7 are not known.*cannot resume mid-epoch"):
-        step_sizes(Trainer(), 7)  # what Lightning asks after a mid-epoch resume: a stream restarts at step 0
+    with pytest.raises(ValueError, match="sizes of step 7 are not known here; known steps: \\[0, 4\\]"):
+        step_sizes(Trainer(), 7)
     with pytest.raises(ValueError, match="use_distributed_sampler=False"):
         streaming_loader(shards, trainer(use_distributed_sampler=True), *stages, batch_size=2, example=(point(0), 0))
     rank1 = streaming_loader(shards, trainer(), *stages, batch_size=2, example=(point(0), 0), shuffle=False)
-    assert rank1.loader.dataset.pipeline[0].rank == 0 and rank1.loader.dataset.pipeline[0].num_replicas == 2
+    assert rank1.loader.dataset.shard_list.rank == 0 and rank1.loader.dataset.shard_list.num_replicas == 2
+    assert rank1.caller_prefetch == 1 and batches.caller_prefetch == 0  # Lightning fetches one batch ahead
     with pytest.raises(TypeError, match="sets 'persistent_workers' itself"):
         streaming_loader(shards, None, *stages, batch_size=2, example=(point(0), 0), persistent_workers=True)
     with pytest.raises(TypeError, match="example must be one sample.*found <class .object.>"):

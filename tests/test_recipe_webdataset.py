@@ -110,10 +110,42 @@ def test_bad_webdataset_input_ends_in_one_line(tmp_path: Path) -> None:
     (tmp_path / "one/shapes-000000.tar").unlink()  # left: the held-out shard only
     cases = [(["--data", "webdataset:nowhere"], "1 missing: nowhere"),
              (["--data", "webdataset:shards/{000..002}.tar"], "3 missing"),
-             (["--data", "webdataset:one"], "held out for evaluation"),
-             (["--data", "webdataset:one", "--resume", "x.ckpt"], "--resume is not supported")]
+             (["--data", "webdataset:one"], "held out for evaluation")]
     for flags, cause in cases:
         result = run("clip.py", *flags, cwd=tmp_path, check=False, timeout=120)
         assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
         (line,) = result.stderr.strip().splitlines()
         assert line.startswith("error: ") and cause in line, line
+
+
+@pytest.mark.timeout(500)
+def test_resume_mid_epoch_on_three_processes_sees_every_sample_once(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # Shards of 1, 9, 5 and 7 pairs. Two processes × 2 DataLoader workers stop after 2 steps (Lightning saves
+    # rank 0's checkpoint); three processes without workers resume mid-epoch and finish it.
+    monkeypatch.syspath_prepend(str(RECIPES))
+    from shared import ShapesDataset
+
+    train = ShapesDataset("train", size=22, image_size=32, seed=5)
+    write(tmp_path / "shards", [[0], list(range(1, 10)), list(range(10, 15)), list(range(15, 22))], train)
+    write(tmp_path / "held_out", [list(range(4))], ShapesDataset("val", size=4, image_size=32, seed=5),
+          key_offset=1000)
+    (tmp_path / "record").mkdir()
+    common = [*TINY_CLIP, "--image-size", "32", "--data", f"webdataset:{tmp_path / 'shards'}", "--val-data",
+              str(tmp_path / "held_out"), "--val-size", "4", "--val-every", "100", "--no-plots", "--batch-size", "2",
+              "--max-epochs", "1", "--output-dir", "out"]
+    env = {"RECIPE_RECORD_SAMPLES": str(tmp_path / "record")}
+    run("clip.py", *common, "--devices", "2", "--num-workers", "2", "--max-steps", "2", cwd=tmp_path, env=env,
+        hooks=True, timeout=300)
+    result = run("clip.py", *common, "--devices", "3", "--num-workers", "0", "--max-steps", "100", "--resume",
+                 "out/checkpoints/last.ckpt", cwd=tmp_path, env=env, hooks=True, timeout=300)
+    assert ("resumed on 3 process(es) × 2 with 0 worker(s) from 2 × 2 with 2 (another global batch)"
+            in result.stdout), result.stdout[-2000:]
+    ranks = [recorded(tmp_path / "record", rank) for rank in range(3)]
+    assert all(epoch == 0 for rank_steps in ranks for epoch, _, _ in rank_steps)
+    first = [[step for _, step, _ in rank_steps if step < 2] for rank_steps in ranks]
+    assert first == [[0, 1], [0, 1], []]
+    resumed = [[step for _, step, _ in rank_steps if step >= 2] for rank_steps in ranks]
+    assert resumed[0] and resumed[0][0] == 2 and resumed[0] == resumed[1] == resumed[2]  # equal steps, numbered on
+    seen = sorted(sample for rank_steps in ranks for _, _, ids in rank_steps for sample in ids)
+    assert seen == list(range(22))  # every sample exactly once over the epoch

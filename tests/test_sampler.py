@@ -118,20 +118,154 @@ def test_resume_from_any_step_gives_the_rest_of_the_epoch(layout, data):
     head = [next(iterator) for _ in range(done)]
     state = pickle.loads(pickle.dumps(sampler.state_dict()))
     assert (state["epoch"], state["step"], state["seed"]) == (epoch, done, seed)
+    assert state["consumed"] == min(done * batch * world, length)
 
-    resumed = DistributedBatchSampler(length, batch, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed + 1)
+    resumed = DistributedBatchSampler(length, batch, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)
     resumed.load_state_dict(state)
-    assert resumed.state_dict() == state
+    assert resumed.state_dict() == state and resumed.first_step == done
     resumed.set_epoch(epoch)  # what a training loop does before iterating: must keep the resume point
     assert head + list(resumed) == full
     # The resume is used once: the next iteration is a full epoch again.
-    assert list(resumed) == full
+    assert list(resumed) == full and resumed.first_step == 0
 
     # A fresh iter() after a partial one starts a full epoch (DataLoader never exhausts us).
     partial = iter(sampler)
     for _ in range(done):
         next(partial)
     assert list(sampler) == full
+
+
+def reference_rest(order: list[int], consumed: int, world: int, batch: int) -> list[list[list[int]]]:
+    """The rest of an epoch's order, from ``consumed`` on, cut into global batches of world × batch, dealt out."""
+    steps = []
+    for begin in range(consumed, len(order), world * batch):
+        chunk = order[begin : begin + world * batch]
+        counts = [len(chunk) // world + (rank < len(chunk) % world) for rank in range(world)]
+        steps.append([chunk[sum(counts[:rank]) : sum(counts[: rank + 1])] for rank in range(world)])
+    return steps
+
+
+small_layouts = st.tuples(st.integers(1, 6), st.integers(1, 9))  # (num_replicas, batch_size)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 300), small_layouts, small_layouts, small_layouts, st.booleans(), st.integers(0, 3), st.data())
+def test_resume_on_other_layouts_continues_the_order_every_sample_once(length, first, second, third, shuffle,
+                                                                          epoch, data):
+    """Save on one layout, resume on another, save again mid-epoch, resume on a third: the epoch's order, once."""
+    order = reference_order(length, 9, epoch) if shuffle else list(range(length))
+    seen: list[int] = []
+    state = None
+    for world, batch in (first, second, third):
+        samplers = all_ranks(length, world, batch, shuffle=shuffle, seed=9)
+        for sampler in samplers:
+            if state is not None:
+                sampler.load_state_dict(state)
+            sampler.set_epoch(epoch)
+        start = samplers[0].first_step
+        consumed = 0 if state is None else state["consumed"]
+        expected = reference_rest(order, consumed, world, batch)
+        assert all(len(sampler) == start + len(expected) for sampler in samplers)  # equal step counts
+        steps = data.draw(st.integers(0, len(expected))) if (world, batch) != third else len(expected)
+        iterators = [iter(sampler) for sampler in samplers]
+        for offset in range(steps):
+            per_rank = [next(iterator) for iterator in iterators]
+            assert per_rank == expected[offset]
+            assert all(sampler.sizes(start + offset) == tuple(map(len, per_rank)) for sampler in samplers)
+            seen += [index for part in per_rank for index in part]
+        states = [pickle.loads(pickle.dumps(sampler.state_dict())) for sampler in samplers]
+        assert all(other == states[0] for other in states)  # no rank in it: any rank's state loads anywhere
+        state = states[0]
+        assert (state["step"], state["consumed"]) == (start + steps, len(seen))
+    assert seen == order  # every sample once, in the epoch's order, whatever the layouts
+
+
+@FAST
+@given(st.integers(1, 400), small_layouts, small_layouts, st.integers(0, 4), st.data())
+def test_the_same_global_batch_size_on_another_layout_gives_the_same_global_batches(length, first, other, epoch,
+                                                                                     data):
+    world, batch = first
+    global_batch = world * batch
+    # Another layout of the same global batch size: another number of ranks whose batch divides it.
+    world_b = other[0]
+    if global_batch % world_b:
+        world_b = 1
+    batch_b = global_batch // world_b
+    uninterrupted = [[index for part in step for index in part]
+                     for step in zip(*(list(s) for s in all_ranks(length, world, batch, shuffle=True, seed=4,
+                                                                   epoch=epoch)), strict=True)]
+    done = data.draw(st.integers(0, len(uninterrupted)))
+    samplers = all_ranks(length, world, batch, shuffle=True, seed=4, epoch=epoch)
+    iterators = [iter(sampler) for sampler in samplers]
+    for _ in range(done):
+        [next(iterator) for iterator in iterators]
+    resumed = all_ranks(length, world_b, batch_b, shuffle=True, seed=4)
+    for sampler in resumed:
+        sampler.load_state_dict(samplers[0].state_dict())
+    assert all(len(sampler) == len(uninterrupted) for sampler in resumed)
+    rest = [[index for part in step for index in part] for step in zip(*map(list, resumed), strict=True)]
+    assert rest == uninterrupted[done:]
+    assert all(sampler.sizes(0) == resumed[0].sizes(0) for sampler in resumed)  # the grid of a fresh epoch
+
+
+def test_a_state_saved_before_the_layout_free_format_still_loads():
+    # Version 1 saved the step and the layout instead of the samples consumed.
+    old = {"epoch": 2, "step": 3, "seed": 5, "length": 50, "batch_size": 4, "num_replicas": 2, "shuffle": True}
+    reference = all_ranks(50, 2, 4, shuffle=True, seed=5, epoch=2)
+    order = [index for step in zip(*map(list, reference), strict=True) for part in step for index in part]
+    resumed = all_ranks(50, 3, 2, shuffle=True, seed=5)  # another layout: global batch 6
+    for sampler in resumed:
+        sampler.load_state_dict(old)
+    assert resumed[0].state_dict()["consumed"] == 24 and len(resumed[0]) == 3 + 5
+    assert [index for step in zip(*map(list, resumed), strict=True) for part in step for index in part] == order[24:]
+    with pytest.raises(ValueError, match=r"'step' must be an int in \[0, 7\], got 8"):
+        resumed[0].load_state_dict({**old, "step": 8})
+
+
+def test_the_step_a_loop_finished_gives_the_state_to_resume_from():
+    sampler = DistributedBatchSampler(30, 4, num_replicas=2, rank=0, seed=1)
+    iterator = iter(sampler)
+    for _ in range(3):  # what a loader with workers asks for ahead of the loop
+        next(iterator)
+    assert sampler.state_dict()["step"] == 3 and sampler.state_dict(step=1)["consumed"] == 8
+    assert sampler.state_dict(step=len(sampler))["consumed"] == 30
+    with pytest.raises(ValueError, match=r"step must be an int in \[0, 4\], got 5"):
+        sampler.state_dict(step=5)
+    elsewhere = DistributedBatchSampler(30, 5, num_replicas=3, rank=2, seed=1)
+    elsewhere.load_state_dict(sampler.state_dict(step=1))  # 8 consumed: off the new grid of 15
+    assert (elsewhere.first_step, len(elsewhere), elsewhere.sizes(1), elsewhere.sizes(2)) == (1, 3, (5, 5, 5),
+                                                                                                (3, 2, 2))
+    with pytest.raises(ValueError, match=r"step must be an int in \[1, 3\) \(this epoch resumed at step 1\)"):
+        elsewhere.sizes(0)
+
+
+STATE = DistributedBatchSampler(40, 4, num_replicas=2, rank=0, seed=3).state_dict(step=2)
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        ({**STATE, "length": 41}, "saved for a dataset of 41 samples, this sampler has 40"),
+        ({**STATE, "seed": 4}, "saved with seed=4, this sampler has seed=3.*pass seed=4"),
+        ({**STATE, "shuffle": False}, "saved with shuffle=False, this sampler has shuffle=True"),
+        ({**STATE, "consumed": 41}, r"'consumed' must be an int in \[0, 40\], got 41"),
+        ({**STATE, "consumed": -1}, r"'consumed' must be an int in \[0, 40\], got -1"),
+        ({**STATE, "step": 0}, r"'step' must be an int in \[1, 16\], got 0"),  # samples consumed in no step
+        ({**STATE, "step": 17}, r"'step' must be an int in \[1, 16\], got 17"),  # a step took no sample
+        ({**STATE, "epoch": "1"}, r"'epoch' must be an int in \[0, 9223372036854775807\], got '1'"),
+        ({**STATE, "consumed": 2.0}, r"'consumed' must be an int"),
+        ({**STATE, "version": 3}, "format 'contrastive_dist.DistributedBatchSampler' version 2, got .* version 3"),
+        ({**STATE, "format": "something else"}, "got 'something else' version 2"),
+        ({key: value for key, value in STATE.items() if key != "consumed"}, r"lacks \['consumed'\]"),
+        ({"epoch": 0}, "lacks .*made by DistributedBatchSampler.state_dict"),
+        ([1, 2], r"expected a dict made by DistributedBatchSampler.state_dict\(\), got list"),
+    ],
+)
+def test_a_state_that_cannot_be_honoured_is_refused_saying_what_differs(state, message):
+    sampler = DistributedBatchSampler(40, 5, num_replicas=3, rank=1, seed=3)  # another layout is fine
+    with pytest.raises(ValueError, match="cannot resume: .*" + message):
+        sampler.load_state_dict(state)
+    assert sampler.first_step == 0 and list(sampler)  # a refused state leaves the sampler as it was
 
 
 def test_dataset_smaller_than_world():
@@ -198,12 +332,9 @@ def test_defaults_without_process_group_and_bad_calls():
     with pytest.raises(ValueError, match="epoch must be >= 0"):
         sampler.set_epoch(-1)
     state = sampler.state_dict()
-    with pytest.raises(ValueError, match="saved batch_size is 3 but this sampler has 2"):
-        DistributedBatchSampler(7, 2).load_state_dict(state)
-    with pytest.raises(ValueError, match="lacks the key"):
-        sampler.load_state_dict({"epoch": 0})
-    with pytest.raises(ValueError, match=r"step'\] must be in \[0, 3\]"):
-        sampler.load_state_dict({**state, "step": 4})
+    other = DistributedBatchSampler(7, 2)
+    other.load_state_dict(state)  # another batch size loads: the state holds samples consumed, not a layout
+    assert len(other) == 4
 
 
 def test_seed_range_is_checked_at_construction_and_its_ends_iterate():
@@ -213,13 +344,13 @@ def test_seed_range_is_checked_at_construction_and_its_ends_iterate():
         assert [len(batch) for batch in sampler] == [3, 2]
     with pytest.raises(ValueError, match="epoch must be <= 9223372036854775807"):
         sampler.set_epoch(2**63)
-    with pytest.raises(ValueError, match=r"state_dict\['seed'\] must be <= 9223372036854775807"):
+    with pytest.raises(ValueError, match=r"'seed' must be an int in \[-9223372036854775808, 9223372036854775807\]"):
         sampler.load_state_dict({**sampler.state_dict(), "seed": 2**70})
 
 
 def test_set_epoch_to_another_epoch_drops_a_loaded_state():
     sampler = DistributedBatchSampler(50, 4, num_replicas=2, rank=0, seed=5)
-    sampler.load_state_dict({**sampler.state_dict(), "epoch": 2, "step": 3})
+    sampler.load_state_dict({**sampler.state_dict(), "epoch": 2, "step": 3, "consumed": 24})
     sampler.set_epoch(4)
     reference = DistributedBatchSampler(50, 4, num_replicas=2, rank=0, seed=5)
     reference.set_epoch(4)
@@ -283,3 +414,57 @@ def test_empty_safe_collate_custom_collate_and_errors():
         EmptySafeCollate(dataset, "stack")
     with pytest.raises(ValueError, match="0-d tensor"):
         EmptySafeCollate(dataset, lambda samples: torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_loader_resumes_what_it_yielded_whatever_its_workers_prefetched(num_workers):
+    # A DataLoader with workers calls iter() on the sampler twice before its first batch, and asks for
+    # batches ahead of the loop: the loaded state must survive the first, the saved one ignore the second.
+    from contrastive_dist.data._resumable_loader import ResumableLoader
+
+    data = list(range(37))
+    uninterrupted = [batch.tolist() for batch in DataLoader(data, batch_sampler=DistributedBatchSampler(37, 4, seed=2))]
+    loader = ResumableLoader(data, batch_sampler=DistributedBatchSampler(37, 4, seed=2), num_workers=num_workers,
+                             persistent_workers=num_workers > 0)
+    batches = iter(loader)
+    head = [next(batches).tolist() for _ in range(3)]
+    state = loader.state_dict()
+    assert (state["step"], state["consumed"]) == (3, 12)
+    resumed = ResumableLoader(data, batch_sampler=DistributedBatchSampler(37, 6, seed=2), num_workers=num_workers)
+    resumed.load_state_dict(state)
+    rest = [batch.tolist() for batch in resumed]
+    assert [len(batch) for batch in rest] == [6, 6, 6, 6, 1]
+    assert sum(head + rest, []) == sum(uninterrupted, [])  # the epoch's order, each sample once
+    assert resumed.state_dict()["consumed"] == 37
+    with pytest.raises(TypeError, match="batch_sampler must be a DistributedBatchSampler"):
+        ResumableLoader(data, batch_size=4)
+    fixed = ResumableLoader(data, batch_sampler=DistributedBatchSampler(37, 6, seed=2), fixed_epoch_length=True)
+    with pytest.raises(ValueError, match="12 of its 37 samples were consumed in 3 step.*after 8 steps.*at the 7 steps"):
+        fixed.load_state_dict(state)
+
+
+class VersionOneSampler(DistributedBatchSampler):
+    """The sampler as it saved itself before the layout-free state: the step it handed out, and its layout."""
+
+    def state_dict(self, step=None):
+        state = super().state_dict(step)
+        return {key: state[key] for key in ("epoch", "step", "seed", "length", "batch_size", "num_replicas", "shuffle")}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_checkpoint_of_the_stateful_dataloader_it_replaces_still_loads(num_workers):
+    # distributed_loader returned torchdata's StatefulDataLoader around a version-1 sampler; such checkpoints load.
+    stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
+    from contrastive_dist.data._resumable_loader import ResumableLoader
+
+    data = list(range(37))
+    order = [index for batch in DistributedBatchSampler(37, 4, seed=2) for index in batch]
+    old = stateful_dataloader.StatefulDataLoader(data, batch_sampler=VersionOneSampler(37, 4, seed=2),
+                                                 num_workers=num_workers)
+    batches = iter(old)
+    head = [index for _ in range(3) for index in next(batches).tolist()]  # workers have asked for more than 3
+    resumed = ResumableLoader(data, batch_sampler=DistributedBatchSampler(37, 6, seed=2))
+    resumed.load_state_dict(old.state_dict())
+    assert head + [index for batch in resumed for index in batch.tolist()] == order
+    with pytest.raises(ValueError, match="looks like torchdata's StatefulDataLoader's, but .*KeyError"):
+        resumed.load_state_dict({"_num_yielded": 3, "_index_sampler_state": {}})

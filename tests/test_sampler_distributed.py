@@ -1,7 +1,10 @@
-"""DistributedBatchSampler + EmptySafeCollate on real gloo processes: coverage, step counts, exact eval."""
+"""DistributedBatchSampler + EmptySafeCollate on real gloo processes: coverage, steps, exact eval, resume."""
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
@@ -107,3 +110,123 @@ def test_validation_metrics_on_three_ranks_equal_single_process(pool):
             assert abs(total - reference[0]) <= 1e-9 * max(1.0, abs(reference[0]))
             assert maximum == reference[2]
             assert abs(total / count - reference[0] / reference[1]) <= 1e-12 * max(1.0, abs(reference[0]))
+
+
+# -- resume on another number of ranks ----------------------------------------------------------------
+
+RESUME_LENGTH, RESUME_SEED, RESUME_LR, RESUME_SCALE = 37, 3, 0.5, 3.0  # global batch 12: 12, 12, 12, 1
+
+
+def resume_point(index: int) -> torch.Tensor:
+    return torch.tensor([index / RESUME_LENGTH, (index % 5) - 2.0], dtype=torch.float64)
+
+
+def resume_towers(weights):
+    """Two float64 linear towers, seeded, or loaded from ``weights`` (a list of parameter lists)."""
+    torch.manual_seed(0)
+    image, text = torch.nn.Linear(2, 3).double(), torch.nn.Linear(2, 3).double()
+    if weights is not None:
+        with torch.no_grad():
+            for parameter, values in zip([*image.parameters(), *text.parameters()], weights, strict=True):
+                parameter.copy_(torch.tensor(values, dtype=torch.float64).view_as(parameter))
+    return image, text
+
+
+def _train_segment(rank, world_size, batch_size, state, weights, steps):
+    """From ``state`` (None: a fresh epoch), train ``steps`` steps (None: to the epoch's end) as DDP does.
+
+    Returns the ids of this rank per step, the state any rank would save, and the weights.
+    """
+    from contrastive_dist import DistributedInfoNCE
+
+    image, text = resume_towers(weights)
+    parameters = [*image.parameters(), *text.parameters()]
+    optimizer = torch.optim.SGD(parameters, lr=RESUME_LR)
+    dataset = [(resume_point(index), index) for index in range(RESUME_LENGTH)]
+    sampler = DistributedBatchSampler(RESUME_LENGTH, batch_size, seed=RESUME_SEED)
+    if state is not None:
+        sampler.load_state_dict(state)
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=EmptySafeCollate(dataset))
+    seen, loss_fn = [], DistributedInfoNCE()
+    for step, (points, ids) in enumerate(loader, start=sampler.first_step):
+        if steps is not None and len(seen) == steps:
+            break
+        seen.append((step, ids.tolist(), sampler.sizes(step)))
+        loss = loss_fn(image(points), text(points.flip(1)), RESUME_SCALE, sizes=sampler.sizes(step))
+        optimizer.zero_grad()
+        loss.backward()
+        for parameter in parameters:  # what DDP does: the mean of the ranks' gradients
+            dist.all_reduce(parameter.grad)
+            parameter.grad /= world_size
+        optimizer.step()
+    saved = sampler.state_dict(step=sampler.first_step + len(seen))
+    return seen, saved, [parameter.detach().flatten().tolist() for parameter in parameters]
+
+
+def _resume_reference():
+    """One process, float64, a plain loop and a plain CLIP loss over the epoch's global batches of 12."""
+    import torch.nn.functional as F
+
+    image, text = resume_towers(None)
+    parameters = [*image.parameters(), *text.parameters()]
+    optimizer = torch.optim.SGD(parameters, lr=RESUME_LR)
+    order = []
+    for global_batch in DistributedBatchSampler(RESUME_LENGTH, 12, num_replicas=1, rank=0, seed=RESUME_SEED):
+        order.append(global_batch)
+        points = torch.stack([resume_point(index) for index in global_batch])
+        logits = RESUME_SCALE * image(points) @ text(points.flip(1)).T
+        labels = torch.arange(len(global_batch))
+        loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return order, [parameter.detach().flatten().tolist() for parameter in parameters]
+
+
+def test_resume_on_three_ranks_and_on_one_trains_to_the_weights_of_an_uninterrupted_run(pool):
+    reference_order, reference_weights = _resume_reference()
+    # 2 ranks × 6 for 1 step, saved mid-epoch, then the rest of the epoch on 3 × 4, on 1 × 12 (the same global
+    # batch: the same batches, so the same weights), and on 3 × 5 (another: still every sample once).
+    first = pool(2).run(_train_segment, 6, None, None, 1, timeout=120)
+    saved = first[0][1]
+    assert all(result[1] == saved for result in first) and saved["consumed"] == 12  # any rank's state
+    for world, batch, same_global_batch in ((3, 4, True), (1, 12, True), (3, 5, False)):
+        rest = pool(world).run(_train_segment, batch, saved, first[0][2], None, timeout=120)
+        steps = [[entry for entry in result[0]] for result in rest]
+        assert all([entry[0] for entry in rank_steps] == [entry[0] for entry in steps[0]] for rank_steps in steps)
+        assert steps[0][0][0] == 1  # the epoch continues at its step 1
+        global_batches = [[entry[1] for entry in first[rank][0]] for rank in range(2)]
+        global_batches = [sum((part[0] for part in global_batches), [])]
+        global_batches += [sum((rank_steps[index][1] for rank_steps in steps), []) for index in range(len(steps[0]))]
+        assert sorted(sum(global_batches, [])) == list(range(RESUME_LENGTH))  # every sample exactly once
+        assert all(rest_result[1]["consumed"] == RESUME_LENGTH for rest_result in rest)
+        if same_global_batch:
+            assert global_batches == reference_order
+            assert steps[0][-1][2] == ((1, 0, 0) if world == 3 else (1,))  # the uneven last step, empty ranks
+            for _, _, weights in rest:
+                got = [value for tensor in weights for value in tensor]
+                expected = [value for tensor in reference_weights for value in tensor]
+                assert got == pytest.approx(expected, rel=1e-10, abs=1e-12)
+
+
+def _load_before_the_first_step(rank, world_size, state, length, seed):
+    """Load ``state`` into this rank's sampler; the error message, or the first batch if none."""
+    sampler = DistributedBatchSampler(length, 4, seed=seed)
+    try:
+        sampler.load_state_dict(state)
+    except ValueError as error:
+        return f"ValueError: {error}"
+    return next(iter(sampler))
+
+
+def test_a_resume_under_the_wrong_conditions_raises_the_same_error_on_every_rank_before_the_first_step(pool):
+    state = DistributedBatchSampler(RESUME_LENGTH, 6, num_replicas=2, rank=0, seed=RESUME_SEED).state_dict(step=1)
+    cases = [(state, RESUME_LENGTH + 1, RESUME_SEED, "saved for a dataset of 37 samples, this sampler has 38"),
+             (state, RESUME_LENGTH, RESUME_SEED + 1, "saved with seed=3, this sampler has seed=4"),
+             ({**state, "consumed": "12"}, RESUME_LENGTH, RESUME_SEED, "'consumed' must be an int"),
+             ({**state, "step": 13}, RESUME_LENGTH, RESUME_SEED, r"'step' must be an int in \[1, 12\], got 13")]
+    for bad, length, seed, message in cases:
+        outcomes = pool(3).run(_load_before_the_first_step, bad, length, seed, timeout=60)
+        assert all(outcome == outcomes[0] for outcome in outcomes), outcomes
+        assert isinstance(outcomes[0], str) and outcomes[0].startswith("ValueError: cannot resume")
+        assert re.search(message, outcomes[0]), outcomes[0]

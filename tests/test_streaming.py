@@ -169,7 +169,7 @@ def test_three_ranks_every_sample_once_equal_steps_no_hang(tmp_path):
                 assert [len(batch) for batch in reports[1]["local"]] == [0, 0, 0, 0]
 
     for result in results:
-        assert "same lookahead and epoch" in result["lookahead"] and "rank 0: lookahead=2" in result["lookahead"]
+        assert "same lookahead, epoch" in result["lookahead"] and "rank 0: lookahead=2" in result["lookahead"]
         assert "rank 2: lookahead=1 epoch=2" in result["epoch"]
         assert result["barrier_s"] < 30
 

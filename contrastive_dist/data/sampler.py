@@ -20,13 +20,9 @@ Plain ``DataLoader`` under torchrun / DDP::
             ...
 
 Lightning: ``contrastive_dist.lightning.distributed_loader`` builds the loader around this sampler
-from the trainer's rank and world size, resumes exactly mid-epoch with or without worker processes,
-and refuses ``use_distributed_sampler=True`` (Lightning would replace the sampler). Lightning
-advances epochs by calling ``set_epoch`` on ``loader.sampler`` and ``loader.batch_sampler.sampler``;
-:attr:`DistributedBatchSampler.sampler` is the sampler itself, so those calls arrive. The
-``training_step`` must return a loss connected to the parameters even for a 0-row batch (the losses
-of this package are): returning ``None`` makes Lightning skip the backward on that rank only, and
-the other ranks wait for it forever.
+from the trainer's rank and world size. Lightning calls ``set_epoch`` on ``loader.batch_sampler.sampler``,
+which is the sampler itself. A ``training_step`` must return a loss connected to the parameters even
+for a 0-row batch, or that rank skips the backward and the others wait for it forever.
 
 Order: each epoch's order is a seeded bijection of ``[0, length)`` evaluated only at the positions a
 batch needs (:mod:`contrastive_dist.data._permutation`: a Feistel network with cycle walking), so the first
@@ -37,11 +33,12 @@ gives a different order (every guarantee above is unchanged).
 Evaluation: ``shuffle=False`` splits a validation set across ranks in natural order with no
 sample repeated or dropped, so sums and counts reduced over ranks give exact metrics.
 
-Resuming mid-epoch: :meth:`~DistributedBatchSampler.state_dict` records the epoch and the number
-of batches this sampler has handed out. With ``num_workers=0`` that is the number of batches the
-loop consumed; worker processes prefetch, so the loader must account for them: torchdata's
-``StatefulDataLoader`` does (``contrastive_dist.lightning.distributed_loader`` uses it), and
-``recipes/clip_torchrun.py`` shows a plain PyTorch loop that saves and resumes it.
+Resuming, on the same layout or another: the state says how many samples of the epoch's order are
+consumed, not by which rank, so it loads into another ``num_replicas`` and/or ``batch_size``: the rest
+of the order is cut into the new global batches. With the same global batch size (2 ranks × 64 →
+4 × 32) they are the uninterrupted run's, so with exact losses the run does not depend on the number
+of ranks. Another length, seed or ``shuffle`` is refused. Workers prefetch, so a loop saves the steps
+it *finished* (``state_dict(step=...)``); ``distributed_loader``'s loader does it itself.
 """
 
 from __future__ import annotations
@@ -55,10 +52,10 @@ from torch.utils.data import Sampler
 
 from contrastive_dist._dist import get_rank, get_world_size, start_offset
 from contrastive_dist.data._permutation import Permutation
+from contrastive_dist.data._sampler_state import EpochPosition, decode_position, encode_position
 
 __all__ = ["DistributedBatchSampler"]
 
-_LAYOUT_KEYS = ("length", "batch_size", "num_replicas", "shuffle")
 _WINDOW = 8192  # indices computed per call of the order: 64 KiB, a few milliseconds
 
 
@@ -84,7 +81,7 @@ class DistributedBatchSampler(Sampler[list[int]]):
     batch ``order[s*G : (s+1)*G]`` with ``G = batch_size * num_replicas`` and gives rank ``r`` its
     ``r``-th share; shares differ by at most one sample and the first ranks get the extra ones. A
     fresh ``iter()`` starts a full epoch, unless :meth:`load_state_dict` was called just before
-    (then it continues the saved epoch).
+    (then it continues the saved epoch, cut into this sampler's global batches).
 
     Args:
         data_source_or_length: the dataset (anything with ``len()``) or its length.
@@ -110,13 +107,17 @@ class DistributedBatchSampler(Sampler[list[int]]):
         >>> sampler.set_epoch(3)
         >>> batches = iter(sampler)
         >>> first = next(batches)
-        >>> state = sampler.state_dict()      # one step done: resume from here
-        >>> state["epoch"], state["step"]
-        (3, 1)
-        >>> resumed = DistributedBatchSampler(10, batch_size=2, num_replicas=3, rank=0)
+        >>> state = sampler.state_dict()      # one step of 6 samples done: resume from here
+        >>> state["epoch"], state["step"], state["consumed"]
+        (3, 1, 6)
+        >>> resumed = DistributedBatchSampler(10, batch_size=2, num_replicas=3, rank=0, seed=1)
         >>> resumed.load_state_dict(state)
         >>> list(resumed) == list(batches)
         True
+        >>> alone = DistributedBatchSampler(10, batch_size=4, num_replicas=1, rank=0, seed=1)
+        >>> alone.load_state_dict(state)      # the rest of the epoch on 1 rank: 4 samples, in one step
+        >>> len(alone), alone.sizes(1)
+        (2, (4,))
 
     """
 
@@ -155,11 +156,21 @@ class DistributedBatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.seed = _int("seed", seed, _INT64_MIN, _INT64_MAX)
         self.epoch = 0
-        # Batches handed out by the latest iterator. Every fresh iter() resets it, so that a loader
-        # that stopped after len() batches (without exhausting us) still gets a full next epoch.
+        self._restart()
+
+    def _restart(self) -> None:
+        """Plan a fresh epoch: step ``s`` takes positions ``[s*G, (s+1)*G)`` of the order."""
+        # The epoch's steps from _first_step on take the order's positions from _first_position on.
+        # A state saved on another global batch size resumes off this grid, at its own (step, position).
+        self._first_step = 0
+        self._first_position = 0
+        # The step the next iteration starts at, and the steps of the epoch handed out by the latest iterator.
+        # Every fresh iteration resets them, so that a loader that stopped after len() batches (without
+        # exhausting us) still gets a full next epoch.
+        self._start = 0
         self._step = 0
-        # A step loaded by load_state_dict, consumed by the next iter().
-        self._resume_step: int | None = None
+        # A loaded state waits for the next iter(), which continues it instead of restarting.
+        self._pending = False
 
     @property
     def global_batch_size(self) -> int:
@@ -171,8 +182,14 @@ class DistributedBatchSampler(Sampler[list[int]]):
         """Return ``self``, because Lightning calls ``loader.batch_sampler.sampler.set_epoch(epoch)``."""
         return self
 
+    @property
+    def first_step(self) -> int:
+        """The first step of the current iteration (once it yielded a batch), or of the next: 0 or a loaded step."""
+        return self._start
+
     def __len__(self) -> int:
-        return -(-self.length // self.global_batch_size)
+        """Steps of the current epoch; a resumed epoch counts those done before the resume too."""
+        return self._first_step - (-(self.length - self._first_position) // self.global_batch_size)
 
     def set_epoch(self, epoch: int) -> None:
         """Use the permutation of ``epoch`` from the next iteration on (read at its first batch).
@@ -182,18 +199,23 @@ class DistributedBatchSampler(Sampler[list[int]]):
         """
         _int("epoch", epoch, 0, _INT64_MAX)
         if epoch != self.epoch:
-            self._resume_step = None
-            self._step = 0
+            self._restart()
         self.epoch = epoch
+
+    def _position(self, step: int) -> int:
+        """Position in the epoch's order of the first sample of ``step``."""
+        return self._first_position + (step - self._first_step) * self.global_batch_size
 
     def sizes(self, step: int) -> tuple[int, ...]:
         """Return the number of samples each rank gets at ``step``; the same on every rank.
 
-        Pass it as ``all_gather(x, sizes=sampler.sizes(step))`` to skip the size exchange.
+        Pass it as ``all_gather(x, sizes=sampler.sizes(step))`` to skip the size exchange. In an
+        epoch resumed on another global batch size, the steps before the resume are not known.
         """
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < len(self):
-            raise ValueError(f"step must be an int in [0, {len(self)}), got {step!r}")
-        global_size = min(self.global_batch_size, self.length - step * self.global_batch_size)
+        if isinstance(step, bool) or not isinstance(step, int) or not self._first_step <= step < len(self):
+            resumed = f" (this epoch resumed at step {self._first_step})" if self._first_step else ""
+            raise ValueError(f"step must be an int in [{self._first_step}, {len(self)}){resumed}, got {step!r}")
+        global_size = min(self.global_batch_size, self.length - self._position(step))
         share, extra = divmod(global_size, self.num_replicas)
         return tuple(share + 1 if rank < extra else share for rank in range(self.num_replicas))
 
@@ -204,30 +226,29 @@ class DistributedBatchSampler(Sampler[list[int]]):
         operations whatever its size, which would dominate batches of a few samples.
         """
         sizes = self.sizes(step)
-        first = step * self.global_batch_size + start_offset(sizes, self.rank)
-        full_steps = self.length // self.global_batch_size
+        first = self._position(step) + start_offset(sizes, self.rank)
+        full_end = self._first_step + (self.length - self._first_position) // self.global_batch_size
         # Full steps give every rank batch_size samples at the same offset: a (steps, batch_size) grid.
-        count = min(full_steps - step, max(1, _WINDOW // self.batch_size)) if step < full_steps else 1
+        count = min(full_end - step, max(1, _WINDOW // self.batch_size)) if step < full_end else 1
         positions = first + torch.arange(sizes[self.rank], dtype=torch.int64)
         positions = positions + self.global_batch_size * torch.arange(count, dtype=torch.int64)[:, None]
         return (positions if order is None else order(positions)).tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
-        # The restart is decided here, not in the generator body: DataLoader calls iter() when an
-        # epoch starts, but the body only runs at the first next().
-        start = 0 if self._resume_step is None else self._resume_step
-        self._resume_step = None
-        self._step = start
-        return self._batches(start, self.epoch)
+        if not self._pending:
+            self._restart()  # now too, so that state_dict() right after iter() is the fresh epoch's
+        return self._batches()
 
-    def _batches(self, start: int, epoch_at_iter: int) -> Iterator[list[int]]:
-        # The epoch is read at the first next(): Lightning calls iter() before set_epoch() when it
-        # resumes a run. A set_epoch() to another epoch in between also drops a resumed step.
-        epoch = self.epoch
-        if epoch != epoch_at_iter:
-            start = 0
-        order = Permutation(self.length, self.seed, epoch) if self.shuffle else None
-        step = start
+    def _batches(self) -> Iterator[list[int]]:
+        # Everything is decided at the first next(), not at iter(): a DataLoader with workers calls iter()
+        # twice before it asks for a batch, and Lightning calls iter() before set_epoch() when it resumes
+        # a run (a set_epoch() to another epoch drops a loaded state). A loaded state is used once.
+        if not self._pending:
+            self._restart()
+        self._pending = False
+        order = Permutation(self.length, self.seed, self.epoch) if self.shuffle else None
+        step = self._start
+        self._step = step
         while step < len(self):
             for batch in self._rows(order, step):
                 # Counted before the yield: once the caller holds batch `step`, `step + 1` are done.
@@ -235,39 +256,40 @@ class DistributedBatchSampler(Sampler[list[int]]):
                 self._step = step
                 yield batch
 
-    def state_dict(self) -> dict[str, Any]:
-        """Where the current epoch stands: ``epoch``, ``step`` (batches handed out), ``seed``.
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        """Where the epoch stands once ``step`` of its steps are done (default: the batches handed out).
 
-        Also the layout (``length``, ``batch_size``, ``num_replicas``, ``shuffle``), which
-        :meth:`load_state_dict` checks, because resuming with another layout would lose or repeat
-        samples. It holds no rank: ranks in step save the same dict.
+        The state holds the epoch, the steps done and the samples of the epoch's order they took
+        (``consumed``), and what fixes the order (``seed``, ``length``, ``shuffle``); ``batch_size``
+        and ``num_replicas`` only record the layout that saved it. It holds no rank: ranks in step
+        save the same dict, and any layout can load it. A loop whose loader has worker processes
+        passes the steps it finished, because the workers have asked for more batches than that.
         """
-        step = self._step if self._resume_step is None else self._resume_step
-        return {
-            "epoch": self.epoch,
-            "step": step,
-            "seed": self.seed,
-            "length": self.length,
-            "batch_size": self.batch_size,
-            "num_replicas": self.num_replicas,
-            "shuffle": self.shuffle,
-        }
+        if step is None:
+            step = self._step
+        elif isinstance(step, bool) or not isinstance(step, int) or not self._first_step <= step <= len(self):
+            raise ValueError(f"step must be an int in [{self._first_step}, {len(self)}], got {step!r}")
+        position = EpochPosition(self.epoch, step, min(self._position(step), self.length))
+        return encode_position(position, seed=self.seed, length=self.length, shuffle=self.shuffle,
+                               batch_size=self.batch_size, num_replicas=self.num_replicas)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue the saved epoch at the saved step on the next ``iter()``."""
-        missing = [key for key in ("epoch", "step", "seed", *_LAYOUT_KEYS) if key not in state_dict]
-        if missing:
-            raise ValueError(f"state_dict lacks the key(s) {missing}; expected one made by state_dict()")
-        for key in _LAYOUT_KEYS:
-            if state_dict[key] != getattr(self, key):
-                raise ValueError(
-                    f"cannot resume: the saved {key} is {state_dict[key]!r} but this sampler has {getattr(self, key)!r}"
-                )
-        epoch, step, seed = state_dict["epoch"], state_dict["step"], state_dict["seed"]
-        _int("state_dict['epoch']", epoch, 0, _INT64_MAX)
-        _int("state_dict['seed']", seed, _INT64_MIN, _INT64_MAX)
-        if _int("state_dict['step']", step, 0) > len(self):
-            raise ValueError(f"state_dict['step'] must be in [0, {len(self)}], got {step}")
-        self.epoch, self.seed = epoch, seed
-        self._resume_step = step
-        self._step = step
+        """Continue the saved epoch on the next ``iter()``, cut into this sampler's global batches.
+
+        Raises:
+            ValueError: the state belongs to another order (dataset length, seed, ``shuffle``), or is
+                not one :meth:`state_dict` made; the message says what differs.
+        """
+        position = decode_position(state_dict, seed=self.seed, length=self.length, shuffle=self.shuffle)
+        self._restart()
+        self.epoch = position.epoch
+        if position.consumed == self.length:
+            # Nothing is left of the epoch, whatever layout took it: the end of a plain epoch of this one.
+            self._start = self._step = len(self)
+        elif position.consumed == position.step * self.global_batch_size:
+            # On this sampler's own grid (the same global batch size, say): a plain epoch at that step.
+            self._start = self._step = position.step
+        else:
+            self._first_step, self._first_position = position.step, position.consumed
+            self._start = self._step = position.step
+        self._pending = True

@@ -1,4 +1,4 @@
-"""Shards assigned to ranks and DataLoader workers without overlap, in a new order each epoch.
+"""Shards assigned to ranks and DataLoader workers without overlap, in a new order each epoch; resumable.
 
 Streaming datasets (webdataset, litdata, Mosaic streaming, your own tar or parquet reader) are
 lists of *shards*, each holding many samples. Under data parallelism every (rank, worker) pair must
@@ -15,11 +15,20 @@ which :class:`~contrastive_dist.DistributedStreamingBatches` absorbs with empty 
 order of the shards is a seeded permutation of ``(seed, epoch)`` (the same as
 :class:`~contrastive_dist.DistributedBatchSampler`'s), so every rank computes the same assignment
 without communicating, and which shards land together changes every epoch.
+
+Resuming mid-epoch: the state (:meth:`~DistributedShardList.state_dict`) says, per shard, whether
+it is untouched, finished or in progress and how many of its samples were consumed: the whole
+dataset's progress, the same on every rank, whatever the layout. Loaded into a shard list on any
+number of ranks and workers, the rest of the epoch is dealt to its slots: the shards in progress
+first, then the untouched ones. Its progress is kept by :class:`~contrastive_dist.DistributedStreamingBatches`,
+which knows what was consumed, over a :meth:`~DistributedShardList.pipeline`, which skips the
+consumed samples of a shard before they reach the decoding stages.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +37,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from contrastive_dist._dist import get_rank, get_world_size
 from contrastive_dist.data._permutation import Permutation
+from contrastive_dist.data._shard_pipeline import ShardPipeline
+from contrastive_dist.data._shard_progress import EpochShards, decode_progress, encode_progress
 
 __all__ = ["DistributedShardList"]
 
@@ -42,7 +53,7 @@ class DistributedShardList(IterableDataset):
     refuses such a loader.
 
     Args:
-        shards: the shard names or URLs of the whole dataset, in the same order on every rank.
+        shards: the shard names or URLs of the whole dataset, in the same order on every rank; distinct.
         shuffle: a new order of the shards each epoch (``False``: shard ``i`` to slot ``i % slots``).
         seed: seed of the shard order, any signed 64-bit int; the same on every rank.
         num_replicas: number of ranks (default: the size of ``group``, 1 without a process group).
@@ -58,6 +69,9 @@ class DistributedShardList(IterableDataset):
         ['data-003.tar']
         >>> shards.shards_for(worker=2, num_workers=3)          # 6 slots for 5 shards: slot 5 reads none
         []
+        >>> state = shards.state_dict()                         # the epoch's progress, per shard
+        >>> state["epoch"], state["progress"]
+        (0, [0, 0, 0, 0, 0])
 
     """
 
@@ -76,6 +90,9 @@ class DistributedShardList(IterableDataset):
             raise TypeError(f"shards must be a sequence (list or tuple) of shard names, got {type(shards).__name__}")
         if len(shards) == 0:
             raise ValueError("shards must hold at least one shard, got an empty sequence")
+        repeated = sorted(name for name, count in Counter(map(str, shards)).items() if count > 1)
+        if repeated:
+            raise ValueError(f"shards must be distinct (each is read once per epoch), got {repeated[:3]} twice or more")
         if not isinstance(shuffle, bool):
             raise TypeError(f"shuffle must be a bool, got {type(shuffle).__name__}")
         self.shards = list(shards)
@@ -87,30 +104,82 @@ class DistributedShardList(IterableDataset):
         Permutation(len(self.shards), seed)  # validates the seed (type and 64-bit range) now, not in a worker
         self.seed = seed
         self.epoch = 0
+        # The progress per shard the next iteration of this epoch starts from (None: a fresh epoch), and, in
+        # the main process, the plan and progress of the iteration under way (kept by DistributedStreamingBatches).
+        self._start: list[int] | None = None
+        self._current: EpochShards | None = None
 
     def set_epoch(self, epoch: int) -> None:
-        """Use the shard order of ``epoch`` from the next ``iter()`` on (the loader's next epoch)."""
+        """Use the shard order of ``epoch`` from the next ``iter()`` on; a state loaded for another epoch is dropped."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < 2**63:
             raise ValueError(f"epoch must be an int in [0, 2**63), got {epoch!r}")
+        if epoch != self.epoch:
+            self._start, self._current = None, None
         self.epoch = epoch
 
-    def shards_for(self, worker: int = 0, num_workers: int = 1) -> list[Any]:
-        """Return the shards of ``worker`` (of ``num_workers``) on this rank in the current epoch."""
+    def _epoch_shards(self, slots: int) -> EpochShards:
+        positions = torch.arange(len(self.shards), dtype=torch.int64)
+        order = Permutation(len(self.shards), self.seed, self.epoch)(positions) if self.shuffle else positions
+        return EpochShards(order.tolist(), self._start or [0] * len(self.shards), slots)
+
+    def _slot(self, worker: int, num_workers: int) -> int:
         _positive("num_workers", num_workers)
         if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < num_workers:
             raise ValueError(f"worker must be an int in [0, num_workers={num_workers}), got {worker!r}")
-        slots = self.num_replicas * num_workers
-        slot = worker * self.num_replicas + self.rank
-        positions = torch.tensor(range(slot, len(self.shards), slots), dtype=torch.int64)
-        if self.shuffle:
-            positions = Permutation(len(self.shards), self.seed, self.epoch)(positions)
-        return [self.shards[index] for index in positions.tolist()]
+        return worker * self.num_replicas + self.rank
+
+    def plan_for(self, worker: int = 0, num_workers: int = 1) -> list[tuple[int, int]]:
+        """``(shard index, samples already consumed)`` of each shard ``worker`` (of ``num_workers``) reads here."""
+        slot = self._slot(worker, num_workers)
+        return self._epoch_shards(self.num_replicas * num_workers).plan(slot)
+
+    def shards_for(self, worker: int = 0, num_workers: int = 1) -> list[Any]:
+        """Return the shards of ``worker`` (of ``num_workers``) on this rank in the current epoch."""
+        return [self.shards[index] for index, _ in self.plan_for(worker, num_workers)]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
-        for shard in self.shards_for(worker, num_workers):
-            yield {"url": shard}
+        for index, consumed in self.plan_for(worker, num_workers):
+            # A shard in progress says how many samples to skip; pipeline() does, a reader of its own must.
+            yield {"url": self.shards[index], **({"skip": consumed} if consumed else {})}
+
+    def pipeline(self, *stages: Callable[[Iterator[Any]], Iterator[Any]]) -> IterableDataset:
+        """Return the shard list followed by ``stages``: a dataset whose mid-epoch progress can be saved and resumed.
+
+        ``stages[0]`` turns ``{"url": shard}`` dicts into samples that name their shard in
+        ``__url__`` (``webdataset.tarfile_to_samples()`` does); the consumed samples of a shard in
+        progress are dropped right after it, before any later stage (decoding) sees them. Use it
+        in place of ``webdataset.DataPipeline(shard_list, *stages)`` under a
+        :class:`~contrastive_dist.DistributedStreamingBatches`, which then records what was consumed.
+        """
+        return ShardPipeline(self, stages)
+
+    def begin_epoch(self, num_workers: int, *, resume: bool) -> EpochShards:
+        """Start an iteration in the main process: the loaded state's rest of the epoch, or a fresh epoch."""
+        if not resume:
+            self._start = None
+        self._current = self._epoch_shards(self.num_replicas * max(1, num_workers))
+        return self._current
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch and each shard's progress: 0 untouched, -1 finished, ``k > 0`` samples consumed."""
+        progress = self._current.progress if self._current is not None else self._start or [0] * len(self.shards)
+        return encode_progress(progress, epoch=self.epoch, seed=self.seed, shuffle=self.shuffle, shards=self.shards)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue the saved epoch from the next ``iter()``, dealt to this layout's slots.
+
+        Raises:
+            ValueError: another list of shards (by file name), seed or ``shuffle``, or a state that
+                :meth:`state_dict` did not make; the message says what differs.
+        """
+        self.epoch, self._start = decode_progress(state_dict, seed=self.seed, shuffle=self.shuffle, shards=self.shards)
+        self._current = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Workers get the plan's start, not the main process's live progress (its size grows with the shards).
+        return {**self.__dict__, "_current": None}
 
 
 def _positive(name: str, value: object) -> int:

@@ -1,4 +1,4 @@
-"""Equal step counts for streamed data whose ranks hold different numbers of samples.
+"""Equal step counts for streamed data whose ranks hold different numbers of samples; resumable mid-epoch.
 
 When each rank reads its own shards (see :class:`~contrastive_dist.DistributedShardList`), the
 ranks' sample counts differ and a rank that runs out first stops calling DDP's collectives while
@@ -7,71 +7,71 @@ dropping the surplus breaks "every sample exactly once". :class:`DistributedStre
 wraps the rank's loader instead: a rank that has run out yields *empty* batches until every rank
 has, so all ranks run the same number of steps and every sample is used once.
 
-Where the agreement runs, and what it costs: DataLoader workers have no process group, so the
-ranks cannot agree inside the dataset or the collate function. The wrapper runs in the main
-process, where the training loop calls ``next()``: every ``lookahead`` steps it takes up to
-``lookahead`` batches from the loader and all-gathers one small int64 row per rank — how many
-batches it holds and their row counts. From that table every rank knows, identically, how many
-steps the window has, each step's per-rank sizes (``sizes(step)``, to pass as
-``all_gather(..., sizes=...)`` or ``loss(..., sizes=...)``, which then skip their own size
-exchange: with ``lookahead=1`` the wrapper's exchange takes the place of the loss's rather than
-adding one; ``benchmarks/streaming.py`` measures both), and whether the epoch is over (a window
-in which every rank ran out). Ranks call ``next()`` at the same point of the same loop, so the
-exchange is ordered like every other collective.
+Where the agreement runs: DataLoader workers have no process group, so the wrapper runs in the
+main process, where the training loop calls ``next()``. Every ``lookahead`` steps it takes up to
+``lookahead`` batches from the loader and all-gathers one small int64 row per rank: how many
+batches it holds, their row counts, and where in the stream each was read. From that table every
+rank knows, identically, each step's per-rank sizes (``sizes(step)``, to pass as ``sizes=`` to a
+loss, which then skips its own size exchange) and whether the epoch is over (a window in which
+every rank ran out). ``benchmarks/streaming.py`` measures the cost.
+
+Resuming mid-epoch: over a :meth:`DistributedShardList.pipeline`, each batch says where its last
+sample was read (its worker's slot, shard and samples of that shard), that travels in the row, and
+every rank follows every rank's and worker's progress: :meth:`~DistributedStreamingBatches.state_dict`
+on any rank (Lightning saves rank 0's) describes the whole dataset. Only batches the caller
+*consumed* count: not those the workers prefetched, the window holds, or the caller fetched ahead
+(``caller_prefetch``; Lightning fetches one). Loaded on any number of ranks and workers, the rest
+of the epoch is dealt to the new slots; steps keep their numbers, as Lightning's ``batch_idx`` does.
 
 DataLoader workers forked from a process that has joined a gloo group were seen to hang at start
 (in C code, some of them); ``multiprocessing_context="forkserver"`` starts them from a clean process.
-
-Resuming in the middle of an epoch is not supported (a stream cannot seek): a restored run starts
-its epoch again.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import get_world_size, is_distributed
-from contrastive_dist.engine._wire import all_gather_single
+from contrastive_dist.data._shard_pipeline import PositionedBatch, track_positions
+from contrastive_dist.data._shard_progress import EpochShards
+from contrastive_dist.data._stream_window import (
+    NO_POSITION,
+    WindowRow,
+    control_device,
+    count_rows,
+    decode_state,
+    encode_state,
+    gather_rows,
+    progress_digest,
+)
 
 __all__ = ["DistributedStreamingBatches"]
 
 _KEEP_SIZES = 64  # steps of sizes kept behind the newest known one (trainers fetch a batch or two ahead)
 
 
-def _count_rows(batch: Any) -> int:
-    """Rows of a collated batch: the leading size of its first tensor, else the length of a list."""
-    if isinstance(batch, Tensor):
-        return int(batch.shape[0]) if batch.ndim else 1
-    values = batch.values() if isinstance(batch, Mapping) else batch
-    if isinstance(values, Iterable) and not isinstance(values, (str, bytes)):
-        for value in values:
-            if isinstance(value, (Tensor, Mapping)) or (isinstance(value, Sequence) and not isinstance(value, str)):
-                return _count_rows(value)
-        if isinstance(batch, Sequence):
-            return len(batch)
-    raise TypeError(f"cannot count the rows of a {type(batch).__name__}; pass count_rows=")
-
-
 class DistributedStreamingBatches:
-    """Iterate a rank's own batches so that every rank runs the same number of steps.
+    """Iterate a rank's own batches so that every rank runs the same number of steps; resumable mid-epoch.
 
     Args:
         loader: this rank's batches, e.g. a ``DataLoader`` over an ``IterableDataset``; each
             ``iter()`` is one epoch. Its ``collate_fn`` must accept ``[]`` (use
             :class:`~contrastive_dist.EmptySafeCollate` built on one example sample), or pass
-            ``empty_batch``.
+            ``empty_batch``. Over a :meth:`DistributedShardList.pipeline`, its ``collate_fn`` is
+            wrapped so that batches carry their position in the stream, and the state resumes
+            mid-epoch.
         empty_batch: a function returning this rank's batch for a step it has no data for.
         lookahead: batches fetched ahead per exchange; the same on every rank. 1 exchanges every
             step (in place of the loss's own size exchange when its sizes are passed on); ``k``
             exchanges once per ``k`` steps and keeps up to ``k`` batches in memory.
         count_rows: rows of a batch (default: the leading size of its first tensor).
+        caller_prefetch: batches the caller fetches ahead of the step it is on (Lightning: 1);
+            the state counts them as not consumed until the epoch is over.
         group: the process group of the training (default: the world).
 
     Shape:
@@ -86,6 +86,9 @@ class DistributedStreamingBatches:
         >>> batches = DistributedStreamingBatches(loader)       # one process: the loader's own batches
         >>> [(ids.tolist(), batches.sizes(step)) for step, (_, ids) in enumerate(batches)]
         [([0, 1], (2,)), ([2, 3], (2,)), ([4], (1,))]
+        >>> state = batches.state_dict()                        # the epoch is over
+        >>> state["epoch"], state["step"], state["finished"]
+        (0, 3, True)
 
     """
 
@@ -95,13 +98,15 @@ class DistributedStreamingBatches:
         *,
         empty_batch: Callable[[], Any] | None = None,
         lookahead: int = 1,
-        count_rows: Callable[[Any], int] = _count_rows,
+        count_rows: Callable[[Any], int] = count_rows,
+        caller_prefetch: int = 0,
         group: ProcessGroup | None = None,
     ) -> None:
         if not isinstance(loader, Iterable):
             raise TypeError(f"loader must be iterable (e.g. a DataLoader), got {type(loader).__name__}")
-        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
-            raise ValueError(f"lookahead must be an int >= 1, got {lookahead!r}")
+        for name, value, low in (("lookahead", lookahead, 1), ("caller_prefetch", caller_prefetch, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if getattr(loader, "persistent_workers", False):
             raise ValueError(
                 "the loader has persistent_workers=True: its workers keep the dataset of the first epoch, "
@@ -119,13 +124,21 @@ class DistributedStreamingBatches:
                 "cannot build an empty batch: the loader's collate_fn([]) (or empty_batch()) raised "
                 f"{type(error).__name__}: {error}. Use collate_fn=EmptySafeCollate([example_sample])"
             ) from error
+        self.pipeline = track_positions(loader)
         self.loader = loader
         self.empty_batch = empty_batch
         self.lookahead = lookahead
         self.count_rows = count_rows
+        self.caller_prefetch = caller_prefetch
         self.group = group
         self.epoch = 0
         self._sizes: dict[int, tuple[int, ...]] = {}
+        self._restart()
+
+    def _restart(self) -> None:
+        self._first_step, self._steps_done, self._finished = 0, 0, False
+        self._pending = False  # a loaded state waits for the next iteration
+        self._tracked = self.pipeline is not None  # every batch so far said where it was read
 
     @property
     def sampler(self) -> DistributedStreamingBatches:
@@ -133,9 +146,11 @@ class DistributedStreamingBatches:
         return self
 
     def set_epoch(self, epoch: int) -> None:
-        """Set the epoch here and on the loader's dataset (and a webdataset pipeline's stages)."""
+        """Set the epoch here and on the loader's dataset and its stages; another epoch drops a loaded state."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < 2**63:
             raise ValueError(f"epoch must be an int in [0, 2**63), got {epoch!r}")
+        if epoch != self.epoch:
+            self._restart()
         self.epoch = epoch
         dataset = getattr(self.loader, "dataset", None)
         for target in [dataset, *getattr(dataset, "pipeline", [])]:
@@ -154,58 +169,109 @@ class DistributedStreamingBatches:
         return self._steps()
 
     def _steps(self) -> Iterator[Any]:
-        world_size = get_world_size(self.group)
-        device = _control_device(self.group)
-        self._check_agreement(world_size, device)
-        local = iter(self.loader)
-        buffered: deque[Any] = deque()
-        exhausted = False
-        step = 0
+        world_size, device = get_world_size(self.group), control_device(self.group)
+        resume, finished = self._pending, self._pending and self._finished
+        if not resume:
+            self._restart()
+        self._pending, self._finished, self._tracked = False, False, self.pipeline is not None
+        workers = getattr(self.loader, "num_workers", 0)
+        shards = self.pipeline.shard_list.begin_epoch(workers, resume=resume) if self.pipeline is not None else None
+        start = self.pipeline.shard_list.state_dict() if self.pipeline is not None and resume else None
+        self._check_agreement(world_size, device, [max(1, workers), self._first_step, progress_digest(start)])
+        local = iter(()) if finished else iter(self.loader)  # after begin_epoch: workers take its plan
+        buffered: deque[tuple[Any, tuple[int, int, int]]] = deque()
+        unapplied: deque[list[tuple[int, int, int] | None]] = deque()
+        exhausted, step = False, self._first_step
         while True:
             while not exhausted and len(buffered) < self.lookahead:
                 try:
-                    buffered.append(next(local))
+                    item = next(local)
                 except StopIteration:
                     exhausted = True
-            row = [len(buffered), *(self.count_rows(batch) for batch in buffered)]
-            row += [0] * (self.lookahead + 1 - len(row))
-            table = self._gather(row, world_size, device)
-            held = [counts[0] for counts in table]
-            if max(held) == 0:
-                return
-            for offset in range(max(held)):
-                self._sizes[step] = tuple(counts[1 + offset] if offset < counts[0] else 0 for counts in table)
+                    continue
+                if isinstance(item, PositionedBatch):
+                    buffered.append((item.batch, (item.slot, item.shard, item.consumed)))
+                else:
+                    buffered.append((item, NO_POSITION))
+            row = WindowRow.encode([(self.count_rows(batch), position) for batch, position in buffered], self.lookahead)
+            table = [WindowRow(values) for values in self._gather(row, world_size, device)]
+            window = max(rank_row.held for rank_row in table)
+            for offset in range(window):
+                self._sizes[step] = tuple(rank_row.rows(offset) for rank_row in table)
                 self._sizes.pop(step - _KEEP_SIZES - self.lookahead, None)
-                # This rank holds exactly its table[rank][0] batches of the window; then it is out.
-                batch = buffered.popleft() if buffered else self.empty_batch()
+                # This rank holds exactly its table[rank].held batches of the window; then it is out.
+                batch = buffered.popleft()[0] if buffered else self.empty_batch()
                 step += 1
+                unapplied.append([rank_row.position(offset) for rank_row in table if offset < rank_row.held])
+                while len(unapplied) > self.caller_prefetch:  # what the caller holds ahead is not consumed yet
+                    self._consume(shards, unapplied.popleft())
                 yield batch
-            if max(held) < self.lookahead:  # every rank ran out inside this window: no exchange needed
-                return
+            if window < self.lookahead:  # every rank ran out inside this window: no exchange needed
+                break
+        while unapplied:
+            self._consume(shards, unapplied.popleft())
+        if shards is not None:
+            shards.finish()
+        self._finished = True
+
+    def _consume(self, shards: EpochShards | None, positions: list[tuple[int, int, int] | None]) -> None:
+        """One more step consumed: each rank's batch of it moves its worker's slot on."""
+        self._steps_done += 1
+        for position in positions:
+            if position is None or shards is None:
+                self._tracked = False
+            else:
+                shards.record(*position)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the epoch stands: its steps consumed and, over a shard pipeline, every shard's progress.
+
+        The same on every rank. From a loader whose batches do not say where they were read, the
+        state resumes only at an epoch's start or end (``load_state_dict`` refuses it otherwise).
+        """
+        shards = self.pipeline.shard_list.state_dict() if self.pipeline is not None and self._tracked else None
+        return encode_state(epoch=self.epoch, step=self._steps_done, finished=self._finished, shards=shards)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue the saved epoch at the next ``iter()``, on this layout; steps keep their numbers.
+
+        Raises:
+            ValueError: the state cannot be honoured here (another shard list, seed or ``shuffle``;
+                a mid-epoch state without shard progress; not a state :meth:`state_dict` made).
+        """
+        epoch, step, finished, shards = decode_state(state_dict)
+        if shards is None and step and not finished:
+            raise ValueError("cannot resume mid-epoch: the state was saved from a loader whose batches do not say "
+                             "where in the stream they were read; build its dataset with "
+                             "DistributedShardList.pipeline(...) (streaming_loader does), or resume at an epoch's end")
+        if shards is not None and self.pipeline is None:
+            raise ValueError("cannot resume mid-epoch: the state holds shard progress, but this loader's dataset is "
+                             "not a DistributedShardList.pipeline(...) that could skip what was consumed")
+        self.set_epoch(epoch)
+        if shards is not None:
+            assert self.pipeline is not None  # narrowed above
+            self.pipeline.shard_list.load_state_dict(shards)
+            if self.pipeline.shard_list.epoch != epoch:
+                raise ValueError(f"cannot resume: the stream state is of epoch {epoch}, its shard state of epoch "
+                                 f"{self.pipeline.shard_list.epoch}")
+            if (step == 0) != all(value == 0 for value in shards["progress"]):
+                raise ValueError(f"cannot resume: the stream state says {step} steps were consumed, its shard "
+                                 "progress says otherwise")
+        self._first_step, self._steps_done, self._finished, self._pending = step, step, finished, True
 
     def _gather(self, row: list[int], world_size: int, device: torch.device) -> list[list[int]]:
-        local = torch.tensor([row], dtype=torch.int64, device=device)
-        if world_size == 1:
-            return local.tolist()
-        table = local.new_empty((world_size, len(row)))
-        all_gather_single(table, local, group=self.group)
-        return table.tolist()
+        return gather_rows(row, world_size, device, self.group)
 
-    def _check_agreement(self, world_size: int, device: torch.device) -> None:
-        """Raise on every rank if the ranks disagree on ``lookahead`` or the epoch (a fixed-size exchange)."""
+    def _check_agreement(self, world_size: int, device: torch.device, resume: list[int]) -> None:
+        """Raise on every rank if the ranks disagree on ``lookahead``, the epoch or what they resume."""
         if not is_distributed(self.group):
             return
-        table = self._gather([self.lookahead, self.epoch], world_size, device)
+        table = self._gather([self.lookahead, self.epoch, *resume], world_size, device)
         if len({tuple(row) for row in table}) > 1:
-            described = ", ".join(f"rank {rank}: lookahead={row[0]} epoch={row[1]}" for rank, row in enumerate(table))
-            raise ValueError(f"every rank must iterate with the same lookahead and epoch, got {described}")
-
-
-def _control_device(group: ProcessGroup | None) -> torch.device:
-    """Where the small exchanged rows live: beside the data the backend serves (CUDA under NCCL)."""
-    if is_distributed(group) and "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+            described = ", ".join(f"rank {rank}: lookahead={row[0]} epoch={row[1]} workers={row[2]} "
+                                  f"resumed at step {row[3]} (progress {row[4]:x})" for rank, row in enumerate(table))
+            raise ValueError(f"every rank must iterate with the same lookahead, epoch, number of workers and "
+                             f"resumed state, got {described}")
 
 
 class _EmptyFromCollate:
