@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import get_rank, get_world_size, start_offset
-from contrastive_dist._validation import Problem
+from contrastive_dist._validation import Problem, sizes_problem
 from contrastive_dist.engine._wire import all_gather_single
 
 __all__ = ["DEBUG_VARIABLE", "Layout", "Problem", "agree", "debug_checks", "describe", "local_problem", "signature"]
@@ -157,7 +157,8 @@ def _device(tensors: Sequence[object], group: ProcessGroup | None) -> torch.devi
     first = tensors[0] if len(tensors) else None
     if isinstance(first, Tensor):
         return first.device
-    if "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -182,6 +183,8 @@ def agree(
     extra: int = 0,
     total: Tensor | None = None,
     flags: int = 0,
+    rows: int | None = None,
+    compare_inputs: bool = True,
 ) -> Layout:
     """Exchange once; return the :class:`Layout` every rank agrees on, or raise the same error on every rank.
 
@@ -196,9 +199,16 @@ def agree(
         extra: this rank's second count (e.g. its own negatives).
         total: a 0-d tensor to sum over the ranks (e.g. a weight total), or ``None``.
         flags: bits this rank tells every rank (see :meth:`Layout.every_rank_has`).
+        rows: this rank's row count, when not that of ``tensors[0]`` along ``dim``.
+        compare_inputs: whether the tensors' dtypes, trailing shapes and gradient tracking must
+            match across ranks (``False``: inputs that may legitimately differ, such as token
+            batches padded per rank).
     """
     world_size, rank = get_world_size(group), get_rank(group)
-    rows = cast(Tensor, tensors[0]).shape[dim] if problem is None else 0
+    if problem is None and sizes is not None:
+        problem = sizes_problem(sizes, world_size)
+    if rows is None:
+        rows = cast(Tensor, tensors[0]).shape[dim] if problem is None else 0
     if world_size == 1 or torch.compiler.is_compiling():
         layout = _agree_locally(problem, operation, rows, extra, sizes, total, group, world_size, rank)
         return layout._replace(flags=(flags,)) if world_size == 1 else layout
@@ -207,7 +217,7 @@ def agree(
         rows,
         extra,
         flags,
-        signature(cast(Sequence[Tensor], tensors), dim) if problem is None else 0,
+        signature(cast(Sequence[Tensor], tensors), dim) if problem is None and compare_inputs else 0,
         _digest(sorted((options or {}).items())),
         _NO_SIZES if sizes is None else _digest(tuple(sizes)),
         _float_bits(float(total)) if total is not None else 0,
@@ -298,7 +308,7 @@ def _raise_everywhere(
     if failing:
         # A rank found its own input invalid: its message leads, raised with its type everywhere.
         first = gathered[failing[0]]
-        kind = TypeError if first["kind"] == "TypeError" else ValueError
+        kind = {"TypeError": TypeError, "RuntimeError": RuntimeError}.get(first["kind"], ValueError)
         headline = (f"{operation}: {first['text']} (on rank {failing[0]}; raised on every rank of the group). "
                     "Inputs per rank:")
     elif mismatch["options"]:

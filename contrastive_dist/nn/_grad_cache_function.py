@@ -29,10 +29,9 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["CachePlan", "GradCacheFunction", "Problem", "as_outputs"]
+from contrastive_dist._validation import Problem
 
-Problem = tuple[type[Exception], str]
-"""An exception class and its message, found on one rank and raised on all of them."""
+__all__ = ["CachePlan", "GradCacheFunction", "as_outputs"]
 
 
 @dataclass
@@ -113,7 +112,7 @@ def _running_stats_frozen(batch_norms: Sequence[_BatchNorm]) -> Iterator[None]:
 
 def _raised(error: Exception, rows: int) -> Problem:
     kind = next((kind for kind in (TypeError, ValueError) if isinstance(error, kind)), RuntimeError)
-    return kind, f"grad_cache: the module raised {type(error).__name__} on a mini-batch of {rows} rows: {error}"
+    return kind, f"the module raised {type(error).__name__} on a mini-batch of {rows} rows: {error}"
 
 
 def _unlike_first(outputs: object, single: bool, buffers: Sequence[Tensor]) -> Problem | None:

@@ -9,14 +9,13 @@ re-encode each mini-batch with gradient and back-propagate its slice of the embe
 Every rank encodes the same number of mini-batches, ``K = max(1, ceil(max_r n_r / m))`` for per-rank
 batches ``n_r`` and ``mini_batch_size = m``, padding with empty ones, so a collective inside the
 encoder (``SyncBatchNorm``, a model-parallel layer) runs as often on every rank in forward and in
-backward. The largest local batch is read from ``sizes=`` when the caller has them (the package's
-samplers do: ``DistributedBatchSampler.sizes(step)``, ``contrastive_dist.lightning.step_sizes``): no
-communication at all. Without ``sizes=``, one all-gather of three integers per rank (status, rows,
-``mini_batch_size``) tells every rank the largest batch, and makes bad input or a ``mini_batch_size``
-that differs between ranks raise the same error everywhere; a second one of one integer after the
-encodes does the same for bad module outputs and for an error the module raised on some ranks only
-(a per-rank BatchNorm given one row). Both are tiny next to one encoder forward; on an accelerator
-each costs one host synchronisation, which ``sizes=`` avoids.
+backward. The package's agreement exchange (the one every loss runs,
+:mod:`contrastive_dist.engine._agreement`) tells every rank the largest batch, and makes bad input
+or a ``mini_batch_size`` that differs between ranks raise the same error everywhere; a second one
+after the encodes does the same for bad module outputs and for an error the module raised on some
+ranks only (a per-rank BatchNorm given one row). Both are tiny next to one encoder forward (on an
+accelerator each costs one host synchronisation); ``sizes=`` given by the caller is checked by the
+first.
 """
 
 from __future__ import annotations
@@ -25,22 +24,17 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
-from contrastive_dist._dist import get_rank, get_world_size, is_distributed
-from contrastive_dist.engine._wire import all_gather_single
-from contrastive_dist.nn._grad_cache_function import CachePlan, GradCacheFunction, Problem, as_outputs
+from contrastive_dist._dist import is_distributed
+from contrastive_dist._validation import Problem
+from contrastive_dist.engine._agreement import agree
+from contrastive_dist.nn._grad_cache_function import CachePlan, GradCacheFunction, as_outputs
 
 __all__ = ["grad_cache"]
-
-_OK = 0
-_STATUS: dict[type[Exception], int] = {TypeError: 1, ValueError: 2, RuntimeError: 3}
-
 
 def grad_cache(
     module: nn.Module | Callable[..., Any],
@@ -81,8 +75,8 @@ def grad_cache(
             an attention mask).
         mini_batch_size: rows encoded at a time; peak activation memory is that of this many rows.
             The same on every rank.
-        sizes: every rank's batch size in rank order, when known (no exchange; see the module
-            docstring). A promise, like the losses' ``sizes=``: the same on every rank, equal to the rows.
+        sizes: every rank's batch size in rank order, when known: checked against the agreement,
+            like the losses' ``sizes=``.
         group: the ranks that encode in step (default: the world).
 
     Returns:
@@ -92,11 +86,11 @@ def grad_cache(
         TypeError: ``mini_batch_size`` not an int, an input that is not a tensor, a module that is
             not an ``nn.Module`` (or a method of one) or returns something other than tensors.
         ValueError: ``mini_batch_size`` < 1 or not the same on every rank, inputs with different
-            leading sizes, outputs whose leading size is not the mini-batch's. Without ``sizes=``,
-            these are raised on every rank of ``group``, and so is an error the module raised on
-            some ranks only (its type if a ``ValueError``/``TypeError``, else ``RuntimeError``,
-            naming the rank and the message), unless that rank skipped a collective of the
-            module's own; otherwise the module's error is raised as it is.
+            leading sizes, outputs whose leading size is not the mini-batch's. These are raised on
+            every rank of ``group``, and so is an error the module raised on some ranks only (its
+            type if a ``ValueError``/``TypeError``, else ``RuntimeError``, naming the rank and the
+            message), unless that rank skipped a collective of the module's own; otherwise the
+            module's error is raised as it is.
 
     Shape:
         inputs: ``(n, *)`` each, ``n`` may be 0 (an empty rank still encodes in step).
@@ -117,36 +111,17 @@ def grad_cache(
     """
     problem, owner = _local_problem(module, inputs, mini_batch_size)
     rows = inputs[0].shape[0] if problem is None else 0
-    distributed = is_distributed(group)
-    if sizes is not None:
-        problem = problem or _sizes_problem(sizes, rows, group)
-        if problem is not None:
-            raise problem[0](problem[1])  # a promise broken here: the others are not told (as the losses)
-        largest = max(sizes)
-    elif distributed:
-        table = _agree([rows, mini_batch_size if problem is None else 0], problem, inputs, group)
-        steps = {row[2] for row in table}
-        if len(steps) > 1:
-            raise ValueError(
-                f"grad_cache: mini_batch_size must be the same on every rank, got {[row[2] for row in table]} "
-                "(rank order): the ranks would encode different numbers of mini-batches"
-            )
-        largest = max(row[1] for row in table)
-    elif problem is not None:
-        raise problem[0](problem[1])
-    else:
-        largest = rows
+    # Inputs may differ across ranks beyond their rows (tokens padded per rank): only rows are compared.
+    layout = agree(inputs, problem=problem, group=group, operation="grad_cache", sizes=sizes, rows=rows,
+                   options={"mini_batch_size": mini_batch_size}, compare_inputs=False)
     owner = cast(nn.Module, owner)  # every problem, a missing owner included, was raised above
-    count = max(1, math.ceil(largest / mini_batch_size))
+    count = max(1, math.ceil(max(layout.sizes) / mini_batch_size))
     bounds = [(min(k * mini_batch_size, rows), min((k + 1) * mini_batch_size, rows)) for k in range(count)]
     parameters = [p for p in owner.parameters() if p.requires_grad]
-    exchange = sizes is None and distributed
+    exchange = is_distributed(group)
 
     def settle(output_problem: Problem | None) -> None:
-        if exchange:
-            _agree([], output_problem, inputs, group)
-        elif output_problem is not None:
-            raise output_problem[0](output_problem[1])
+        agree(inputs, problem=output_problem, group=group, operation="grad_cache", rows=0, compare_inputs=False)
 
     plan = CachePlan(
         encoder=module,
@@ -171,78 +146,37 @@ def _owner(module: object) -> nn.Module | None:
 def _local_problem(module: object, inputs: Sequence[object], mini_batch_size: object) -> tuple[Problem | None, Any]:
     owner = _owner(module)
     if isinstance(owner, DistributedDataParallel):
-        return (TypeError, "grad_cache: got a DistributedDataParallel wrapper; call grad_cache inside its forward "
+        return (TypeError, "got a DistributedDataParallel wrapper; call grad_cache inside its forward "
                 "(e.g. in the wrapped model's forward or in training_step) on the inner module, so that the reducer "
                 "sees one backward"), None
     if owner is None:
-        return (TypeError, f"grad_cache: module must be an nn.Module or a bound method of one, got "
+        return (TypeError, f"module must be an nn.Module or a bound method of one, got "
                 f"{type(module).__name__}"), None
     if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int):
-        return (TypeError, f"grad_cache: mini_batch_size must be a positive int, got "
+        return (TypeError, f"mini_batch_size must be a positive int, got "
                 f"{type(mini_batch_size).__name__}"), None
     if mini_batch_size < 1:
-        return (ValueError, f"grad_cache: mini_batch_size must be a positive int, got {mini_batch_size}"), None
+        return (ValueError, f"mini_batch_size must be a positive int, got {mini_batch_size}"), None
     if not inputs:
-        return (TypeError, "grad_cache: expected at least one input tensor after the module"), None
+        return (TypeError, "expected at least one input tensor after the module"), None
     not_tensors = [type(x).__name__ for x in inputs if not isinstance(x, Tensor)]
     if not_tensors:
-        return (TypeError, f"grad_cache: every input must be a torch.Tensor, got {not_tensors}"), None
+        return (TypeError, f"every input must be a torch.Tensor, got {not_tensors}"), None
     shapes = [tuple(x.shape) for x in cast(Sequence[Tensor], inputs)]
     if any(len(shape) == 0 for shape in shapes) or len({shape[0] for shape in shapes}) > 1:
-        return (ValueError, f"grad_cache: every input must have the same leading (batch) size, got shapes "
+        return (ValueError, f"every input must have the same leading (batch) size, got shapes "
                 f"{shapes}"), None
     return None, owner
-
-
-def _sizes_problem(sizes: Sequence[int], rows: int, group: ProcessGroup | None) -> Problem | None:
-    world_size, rank = get_world_size(group), get_rank(group)
-    if isinstance(sizes, Tensor) or not all(isinstance(size, int) and size >= 0 for size in sizes):
-        return TypeError, f"grad_cache: sizes must be a sequence of non-negative Python ints, got {sizes!r}"
-    if len(sizes) != world_size or sizes[rank] != rows:
-        return ValueError, (f"grad_cache: sizes must give every rank's rows ({world_size} entries, this rank's "
-                            f"{rows} at index {rank}), got {tuple(sizes)}")
-    return None
 
 
 def _output_problem(outputs: object, rows: int) -> Problem | None:
     """A problem when ``outputs`` is not a tensor or tuple of tensors with ``rows`` leading rows each."""
     is_tuple = isinstance(outputs, tuple) and len(outputs) > 0 and all(isinstance(x, Tensor) for x in outputs)
     if not (isinstance(outputs, Tensor) or is_tuple):
-        return TypeError, (f"grad_cache: the module must return a tensor or a tuple of tensors, got "
+        return TypeError, (f"the module must return a tensor or a tuple of tensors, got "
                            f"{type(outputs).__name__}")
     shapes = [tuple(out.shape) for out in as_outputs(outputs)]
     if any(len(shape) == 0 or shape[0] != rows for shape in shapes):
-        return ValueError, (f"grad_cache: every output must have the inputs' leading size ({rows} rows in this "
+        return ValueError, (f"every output must have the inputs' leading size ({rows} rows in this "
                             f"mini-batch), got shapes {shapes}")
     return None
-
-
-def _control_device(inputs: Sequence[object], group: ProcessGroup | None) -> torch.device:
-    """Where the small exchange tensor lives: beside the inputs, or on the GPU an NCCL-only group needs."""
-    first = inputs[0] if inputs else None
-    if isinstance(first, Tensor) and first.device.type != "cpu":
-        return first.device
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _agree(values: list[int], problem: Problem | None, inputs: Sequence[object],
-           group: ProcessGroup | None) -> list[list[int]]:
-    """All-gather ``[status, *values]`` from every rank; raise a rank's problem on all of them."""
-    world_size = get_world_size(group)
-    status = _OK if problem is None else _STATUS[problem[0]]
-    local = torch.tensor([[status, *values]], dtype=torch.int64, device=_control_device(inputs, group))
-    table = local.new_empty((world_size, local.shape[1]))
-    all_gather_single(table, local, group=group)
-    rows: list[list[int]] = table.tolist()
-    failing = [rank for rank, row in enumerate(rows) if row[0] != _OK]
-    if failing:
-        # The error path only: one more exchange carries the readable message of each rank.
-        messages: list[Any] = [None] * world_size
-        dist.all_gather_object(messages, problem[1] if problem else "", group=group)
-        first = failing[0]
-        kind = next(kind for kind, status in _STATUS.items() if status == rows[first][0])
-        raise kind(f"{messages[first]} (on rank {first}; raised on every rank of the group, failing: {failing})")
-    return rows
