@@ -22,9 +22,11 @@ def save_panels(path: str | Path, *, x_label: str, panels: Sequence[tuple[str, S
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
-    matplotlib.rcParams["svg.hashsalt"] = "contrastive_dist"  # stable ids inside the SVG
-    figure, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.9), squeeze=False)
+    matplotlib.rcParams.update({"svg.hashsalt": "contrastive_dist", "font.size": 12})  # stable ids in the SVG
+    figure, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.6), squeeze=False)
+    plain = FuncFormatter(lambda value, _: f"{value:g}")  # 5, 20, 0.5: read without decoding powers of ten
     for axis, (y_label, series) in zip(axes[0], panels):
         for method, points in series.items():
             finite = [(x, y) for x, y in points if math.isfinite(y) and y > 0]
@@ -32,6 +34,9 @@ def save_panels(path: str | Path, *, x_label: str, panels: Sequence[tuple[str, S
                 axis.plot(*zip(*finite), marker="o", label=method)
         axis.set_xscale("log")
         axis.set_yscale("log")
+        axis.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
+        axis.yaxis.set_major_formatter(plain)
+        axis.yaxis.set_minor_formatter(FuncFormatter(lambda value, _: ""))
         axis.set_xlabel(x_label)
         axis.set_ylabel(y_label)
         axis.grid(True, which="both", alpha=0.3)
@@ -40,7 +45,7 @@ def save_panels(path: str | Path, *, x_label: str, panels: Sequence[tuple[str, S
             axis.minorticks_off()
     handles, labels = axes[0][0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), frameon=False)
-    figure.suptitle(title, fontsize=10)
+    figure.suptitle(title, fontsize=12)
     figure.tight_layout(rect=(0, 0.06 * math.ceil(len(labels) / 4) + 0.02, 1, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
