@@ -162,7 +162,8 @@ def plot(path: str, results: dict[int, dict[str, dict[str, float]]], mini_batch_
 
     save_panels(path, x_label="per-rank batch", x_ticks=batches,
                 panels=[("peak memory of the step (MiB)", series("peak_mib")),
-                        ("time of the step (s)", series("time_s"))],
+                        ("time of the step (s)", series("time_s")),
+                        ("CPU time of the step (s)", series("cpu_s"))],  # moves less with other load
                 title=f"A training step of the CLIP recipe's image tower, {device.type}, "
                       f"{torch.get_num_threads()} thread(s), median of {repeats}")
 

@@ -25,7 +25,8 @@ def save_panels(path: str | Path, *, x_label: str, panels: Sequence[tuple[str, S
     from matplotlib.ticker import FuncFormatter, LogLocator
 
     matplotlib.rcParams.update({"svg.hashsalt": "contrastive_dist", "font.size": 12})  # stable ids in the SVG
-    figure, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.6), squeeze=False)
+    width = (6.2 if len(panels) <= 2 else 5.0) * len(panels)
+    figure, axes = plt.subplots(1, len(panels), figsize=(width, 4.6), squeeze=False)
     plain = FuncFormatter(lambda value, _: f"{value:g}")  # 5, 20, 0.5: read without decoding powers of ten
     for axis, (y_label, series) in zip(axes[0], panels):
         for method, points in series.items():
