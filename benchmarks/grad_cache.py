@@ -5,6 +5,7 @@ Run (one process; CPU unless ``--device cuda``)::
     python benchmarks/grad_cache.py                           # batches 256, 1024, 4096; mini-batches of 128
     python benchmarks/grad_cache.py --batches 256 --repeats 1  # quick check
     python benchmarks/grad_cache.py --budget-mib 2048          # largest batch whose step fits in 2 GiB
+    python benchmarks/grad_cache.py --threads 1 --plot docs/assets/benchmarks/grad_cache.svg  # + the figure
 
 The tower is the recipe's own code (``recipes/shared.py``: ``resnet-small``, width 16, 32×32
 images, a 64-d projection), not a copy. One step: encode the batch (plain: ``tower(images)``;
@@ -148,6 +149,25 @@ def largest_in_budget(budget_mib: float, mini_batch_size: int, device: torch.dev
     return found
 
 
+def plot(path: str, results: dict[int, dict[str, dict[str, float]]], mini_batch_size: int, repeats: int,
+         device: torch.device) -> None:
+    """Peak memory and time of both methods against the per-rank batch, from the rows just measured."""
+    from plots import save_panels
+
+    batches = sorted(results)
+    names = {"plain": "plain", "grad_cache": f"grad_cache (mini_batch_size={mini_batch_size})"}
+
+    def series(key: str) -> dict[str, list[tuple[float, float]]]:
+        return {names[method]: [(batch, results[batch][method][key]) for batch in batches] for method in METHODS}
+
+    save_panels(path, x_label="per-rank batch", x_ticks=batches,
+                panels=[("peak memory of the step (MiB)", series("peak_mib")),
+                        ("time of the step (s)", series("time_s")),
+                        ("CPU time of the step (s)", series("cpu_s"))],  # moves less with other load
+                title=f"A training step of the CLIP recipe's image tower, {device.type}, "
+                      f"{torch.get_num_threads()} thread(s), median of {repeats}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 1024, 4096], help="per-rank batch sizes")
@@ -160,6 +180,7 @@ def main() -> None:
     parser.add_argument("--budget-mib", type=float, default=None,
                         help="find the largest batch whose step peak plus the batch itself fit in this many MiB")
     parser.add_argument("--budget-limit", type=int, default=65536, help="largest batch tried with --budget-mib")
+    parser.add_argument("--plot", metavar="PATH", help="also draw peak memory and time against the batch (.svg, .png)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -176,6 +197,8 @@ def main() -> None:
         results[batch] = measure(batch, args.mini_batch_size, args.repeats, device, args.loss_chunk_size)
         print(f"batch {batch}: {results[batch]}", flush=True)
     print(table(results, args.mini_batch_size))
+    if args.plot:
+        plot(args.plot, results, args.mini_batch_size, args.repeats, device)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ Run (gloo, CPU, one process per rank)::
     # memory against the number of ranks at fixed rows per rank: gather vs ring vs open_clip
     python benchmarks/losses.py --world-sizes 2 4 8 --n 1024 --dim 256 --no-uneven \
         --methods clip clip_chunk256 clip_ring clip_ring_chunk256 clip_ring_chunk256_wait open_clip_local \
-        --by-ranks clip_chunk256
+        --by-ranks clip_chunk256 --plot docs/assets/benchmarks/losses_by_ranks.svg
 
 Every method runs forward + backward on the same L2-normalised features (scale 1/0.07);
 methods are interleaved inside each repeat so that load from other processes hits them alike,
@@ -26,7 +26,8 @@ lives only here: the difference to ``clip_ring_chunk256`` is the transfer time t
 rank (``negatives=``, with gradient; the texts rolled by one row), gathered or sent round the ring.
 ``clip_*ids_mask_chunk256`` / ``clip_*ids_positive_chunk256`` pass sample ids (one id per 4 rows,
 overlapping between neighbouring ranks) with ``same_id="mask"`` / ``"positive"``.
-``--by-ranks METHOD`` ends with one table of peak memory and time against W, with ratios to METHOD.
+``--by-ranks METHOD`` ends with one table of peak memory and time against W, with ratios to METHOD;
+``--plot PATH`` draws the same rows (every equal-size run) as a figure of memory and time against W.
 
 Baselines (optional; a row says "missing" when the package is not installed):
 ``open_clip`` ``ClipLoss(local_loss=True, gather_with_grad=True)`` and ``ClipLoss()``
@@ -311,6 +312,22 @@ def ranks_table(by_world: dict[int, dict[str, dict[str, Any]]], reference: str) 
     return "\n".join(lines)
 
 
+def plot_by_ranks(path: str, by_world: dict[int, dict[str, dict[str, Any]]], n: int, dim: int, repeats: int) -> None:
+    """Per-rank peak memory and time of every method against W, from the equal-size runs just measured."""
+    from plots import save_panels
+
+    worlds = sorted(by_world)
+    methods = [method for method in by_world[worlds[0]] if not by_world[worlds[0]][method]["missing"]]
+
+    def series(key: str) -> dict[str, list[tuple[float, float]]]:
+        return {method: [(w, by_world[w][method][key]) for w in worlds] for method in methods}
+
+    save_panels(path, x_label="ranks W (gloo processes)", x_ticks=worlds,
+                panels=[("peak extra RSS per rank (MiB)", series("peak_mib")),
+                        ("time, slowest rank (s)", series("time_s"))],
+                title=f"CLIP loss forward + backward, n = {n} rows per rank, D = {dim}, fp32, median of {repeats}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="n=512 per rank, 3 repeats")
@@ -325,7 +342,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         metavar="REFERENCE",
         help="after the per-W tables, one table of memory and time against W, ratios to REFERENCE (a method)",
     )
+    parser.add_argument("--plot", metavar="PATH", help="also draw peak memory and time against W (.svg, .png)")
     args = parser.parse_args(argv)
+    if args.plot and len(args.world_sizes) < 2:
+        parser.error("--plot draws against the number of ranks: give at least two --world-sizes")
     n = 512 if args.quick else args.n
     for package, hint in (("open_clip", "pip install open-clip-torch"), ("lightly", "pip install --no-deps lightly")):
         try:
@@ -350,6 +370,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.by_ranks:
         print(f"\n### Memory and time against the number of ranks: n={n} per rank, D={args.dim}, fp32\n")
         print(ranks_table(by_world, args.by_ranks))
+    if args.plot:
+        plot_by_ranks(args.plot, by_world, n, args.dim, args.repeats)
 
 
 if __name__ == "__main__":

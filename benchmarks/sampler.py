@@ -15,6 +15,7 @@ Run::
 
     python benchmarks/sampler.py            # the README table (randperm at 2·10⁹ is skipped: ~16 GB)
     python benchmarks/sampler.py --quick    # 10⁶ and 10⁷ only
+    python benchmarks/sampler.py --plot docs/assets/benchmarks/sampler.svg   # + the figure of the same rows
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def measure(method: str, length: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--plot", metavar="PATH", help="also draw the rows against the dataset size (.svg, .png)")
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -93,6 +95,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, rank {RANK} of {WORLD}, batch {BATCH_SIZE} per rank, 1 thread\n")
     print("| samples | method | first batch (ms) | next batches (ms each) | extra memory (MiB) |")
     print("|---:|---|---:|---:|---:|")
+    measured: dict[str, dict[int, dict[str, float]]] = {"feistel": {}, "randperm": {}}
     for length in lengths:
         for method in ("feistel", "randperm"):
             if method == "randperm" and length > 10**8:
@@ -100,11 +103,33 @@ def main() -> None:
                 continue
             command = [sys.executable, __file__, "--one", method, str(length)]
             result = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+            measured[method][length] = result
             print(
                 f"| {length:.0e} | {method} | {result['first_ms']:.1f} | {result['next_ms']:.2f} "
                 f"| {result['extra_mib']:.1f} |",
                 flush=True,
             )
+
+    if args.plot:
+        plot(args.plot, measured)
+
+
+def plot(path: str, measured: dict[str, dict[int, dict[str, float]]]) -> None:
+    """First-batch time and extra memory of both orders against the dataset size, from the rows just measured."""
+    from plots import save_panels
+
+    names = {"feistel": "DistributedBatchSampler", "randperm": "torch.randperm (earlier versions)"}
+
+    def series(key: str) -> dict[str, list[tuple[float, float]]]:
+        return {names[method]: sorted((length, row[key]) for length, row in rows.items())
+                for method, rows in measured.items()}
+
+    lengths = sorted(measured["feistel"])
+    save_panels(path, x_label="samples in the dataset", x_ticks=lengths,
+                x_tick_labels=[f"{length:.0e}".replace("e+0", "e") for length in lengths],
+                panels=[("first batch of an epoch (ms)", series("first_ms")),
+                        ("extra memory (MiB)", series("extra_mib"))],
+                title=f"Sampler, rank {RANK} of {WORLD}, {BATCH_SIZE} samples per rank, 1 thread, a fresh process each")
 
 
 if __name__ == "__main__":

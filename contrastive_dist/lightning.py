@@ -117,6 +117,14 @@ def distributed_loader(
     Shape:
         - each batch: ``collate_fn`` of ``step_sizes(trainer, step)[rank]`` samples (possibly 0).
 
+    Example:
+        >>> import torch
+        >>> pairs = [(torch.randn(4), torch.randn(4), i) for i in range(10)]
+        >>> loader = distributed_loader(pairs, None, batch_size=4, shuffle=False)  # in a module: self.trainer
+        >>> [(len(ids), loader.batch_sampler.sizes(step)) for step, (_, _, ids) in enumerate(loader)]
+        [(4, (4,)), (4, (4,)), (2, (2,))]
+        >>> state = loader.state_dict()  # what Lightning saves in a checkpoint
+
     """
     for name in ("batch_sampler", "sampler", "batch_size", "shuffle", "drop_last"):
         if name in loader_options:
@@ -258,6 +266,15 @@ def step_sizes(trainer: Any, batch_idx: int) -> tuple[int, ...]:
         TypeError: the training loader is none of these.
         ValueError: ``batch_idx`` is not a step of the epoch (for a stream: not one of its recent steps), or
             not the step of the loader's batch (a resumed loader whose state Lightning did not restore).
+
+    Example:
+        In a ``LightningModule``: ``loss = self.loss(image, text, scale, sizes=step_sizes(self.trainer,
+        batch_idx))``. Here with a stand-in for the trainer, which is only asked for its loader:
+
+        >>> from types import SimpleNamespace
+        >>> loader = distributed_loader(list(range(10)), None, batch_size=4)
+        >>> step_sizes(SimpleNamespace(train_dataloader=loader), 2)
+        (2,)
 
     """
     loader = trainer.train_dataloader

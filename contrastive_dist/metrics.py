@@ -41,8 +41,8 @@ def retrieval_accuracy(
         image_features: this rank's image embeddings.
         text_features: this rank's text embeddings, row ``i`` paired with image row ``i``.
         top_k: the ``k`` values to report, positive ints.
-        group: the process group (default: the world).
-        sizes: every rank's batch size, if known (skips the size exchange).
+        group: the process group, default the world ([group][option-group]).
+        sizes: every rank's batch size, if known: skips the size exchange ([sizes][option-sizes]).
 
     Returns:
         ``{"image_to_text_r{k}": ..., "text_to_image_r{k}": ...}``: 0-d float tensors in

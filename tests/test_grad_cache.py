@@ -7,14 +7,11 @@ The reference encodes the same mini-batches with gradient and concatenates them
 from __future__ import annotations
 
 import itertools
-import re
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from grad_cache_models import KINDS, ImageTower, Setting, TextTower, reference_encode, train
-from test_readme import README
 from torch import Tensor, nn
 
 from contrastive_dist import grad_cache, info_nce
@@ -215,20 +212,3 @@ def test_an_empty_batch_encodes_once_and_gives_empty_outputs_connected_to_the_gr
     assert out.shape == (0, 5) and out.requires_grad and calls == [False]
     out.sum().backward()
     assert calls == [False, True] and all(torch.equal(p.grad, torch.zeros_like(p)) for p in tower.parameters())
-
-
-def test_readme_snippet_runs_and_matches_encoding_the_whole_batch() -> None:
-    text = README.read_text()
-    start = text.index("## Batches beyond the activation memory: the gradient cache")
-    (snippet,) = re.findall(r"```python\n(.*?)```", text[start : text.index("\n## ", start + 10)], flags=re.DOTALL)
-    assert len(snippet.strip().splitlines()) <= 15 and snippet.strip().endswith("loss.backward()")
-    namespace: dict[str, Any] = {}
-    exec(compile(snippet, f"{README} (gradient cache)", "exec"), namespace)
-    towers = namespace["image_tower"], namespace["text_tower"]
-    cached = [p.grad.clone() for tower in towers for p in tower.parameters()]
-    for tower in towers:
-        tower.zero_grad()
-    image, text = (F.normalize(tower(x), dim=-1) for tower, x in zip(towers, (namespace["images"], namespace["texts"])))
-    info_nce(image, text, 10.0, chunk_size=256).backward()
-    for got, parameter in zip(cached, (p for tower in towers for p in tower.parameters())):
-        torch.testing.assert_close(got, parameter.grad, rtol=1e-5, atol=1e-6)

@@ -11,7 +11,6 @@ number of steps of the epoch (3 devices × 6) is refused before any step.
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +28,6 @@ L = pytest.importorskip("lightning")
 from contrastive_dist.lightning import distributed_loader, step_sizes  # noqa: E402
 
 LENGTH, GLOBAL_BATCH, SEED, LR, SCALE = 37, 12, 7, 0.5, 3.0  # global batches 12, 12, 12, 1: the last one alone
-README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 class PointDataset(Dataset):
@@ -181,17 +179,6 @@ def test_importing_the_package_imports_neither_lightning_nor_torchvision():
             "print(sorted(m for m in ('lightning', 'torchvision', 'torchdata') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "[]"
-
-
-@pytest.mark.timeout(240)
-def test_readme_lightning_module_trains_on_two_processes(tmp_path):
-    (block,) = [block for block in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
-                if "contrastive_dist.lightning import distributed_loader" in block]
-    script = tmp_path / "readme_module.py"
-    script.write_text(block)
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=200)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    assert "every sample once" in result.stdout
 
 
 def test_step_sizes_refuses_a_step_that_is_not_the_loaders_batch():

@@ -5,7 +5,7 @@ hold different numbers of rows, including none.
 
 Backward: **reduce-scatter with SUM**. Rank ``r`` receives ``Σ_k ∂L_k/∂x_r``: the gradient
 that *every* rank's loss sends to rank ``r``'s rows. This is what a loss computed on local
-rows against gathered columns needs (see the gradient contract in the README); returning only
+rows against gathered columns needs (the [gradient contract][gradient-contract]); returning only
 the local slice of the incoming gradient, as many hand-written ``GatherLayer``s do, drops the
 part contributed by the other ranks' losses.
 
@@ -47,6 +47,14 @@ class Gathered(NamedTuple):
         tensor: the rows of every rank, concatenated along ``dim`` in rank order.
         sizes: rows contributed by each rank, one Python int per rank.
         rank: this process's rank in the group.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_dist import all_gather
+        >>> gathered = all_gather(torch.randn(3, 8))  # on rank 1 of sizes (2, 3, 0): offset 2, local_size 3
+        >>> gathered.sizes, gathered.rank, gathered.offset, gathered.local_size
+        ((3,), 0, 0, 3)
+        >>> mine = gathered.tensor[gathered.offset : gathered.offset + gathered.local_size]  # this rank's rows
     """
 
     tensor: Tensor
@@ -65,7 +73,20 @@ class Gathered(NamedTuple):
 
 
 class GatheredMany(NamedTuple):
-    """Result of :func:`all_gather_many`: like :class:`Gathered`, for several tensors at once."""
+    """Result of :func:`all_gather_many`: like :class:`Gathered`, for several tensors at once.
+
+    Attributes:
+        tensors: for each input, the rows of every rank, concatenated along ``dim`` in rank order.
+        sizes: rows contributed by each rank, one Python int per rank.
+        rank: this process's rank in the group.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_dist import all_gather_many
+        >>> images, texts = all_gather_many((torch.randn(3, 8), torch.randn(3, 4))).tensors
+        >>> images.shape, texts.shape
+        (torch.Size([3, 8]), torch.Size([3, 4]))
+    """
 
     tensors: tuple[Tensor, ...]
     sizes: tuple[int, ...]
@@ -117,15 +138,11 @@ def all_gather(
     Args:
         x: this rank's tensor. Every dimension except ``dim``, and the dtype, must match across ranks.
         dim: the dimension to gather along (negative values count from the end).
-        group: the process group (default: the world).
-        sizes: every rank's size along ``dim``, the same sequence on every rank, if already
-            known (e.g. from :class:`DistributedBatchSampler`). Skips the size exchange. Row
-            counts and whether autograd tracks the input are still verified on every rank (they
-            ride on the data transfers); dtype and trailing shape are *not* — they must match, as
-            promised. ``sizes=`` that differ between ranks, or are given on some ranks only, break
-            the contract: the transport aborts or hangs. ``CONTRASTIVE_DIST_DEBUG=1`` (on every
-            rank) verifies them with one extra small exchange and raises a clear error on every
-            rank instead. Required under ``torch.compile``, where nothing is verified.
+        group: the process group, default the world ([group][option-group]).
+        sizes: every rank's size along ``dim``, the same sequence on every rank, if already known:
+            skips the size exchange; dtype and trailing shape must then match as promised, and
+            ``sizes=`` that differ between ranks abort or hang the transport unless
+            ``CONTRASTIVE_DIST_DEBUG=1`` ([sizes][option-sizes]).
 
     Returns:
         :class:`Gathered` ``(tensor, sizes, rank)``. Without an initialised process group, or

@@ -35,6 +35,15 @@ class SharedNegatives(NamedTuple):
 
     Attributes:
         keys: ``(K, D)`` negatives, identical on every rank.
+
+    Example:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from contrastive_dist import SharedNegatives, info_nce
+        >>> images, texts = F.normalize(torch.randn(4, 8), dim=-1), F.normalize(torch.randn(4, 8), dim=-1)
+        >>> bank = SharedNegatives(F.normalize(torch.randn(16, 8), dim=-1))  # the same 16 keys on every rank
+        >>> info_nce(images, texts, negatives=bank).shape
+        torch.Size([])
     """
 
     keys: Tensor

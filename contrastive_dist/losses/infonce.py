@@ -74,8 +74,9 @@ def info_nce(
     The features are used as given: normalise them in the model, as CLIP does. Each rank
     computes its local rows against every column and returns ``(W / N) · Σ_i ℓ_i``, so the mean
     over ranks of the returned values is the single-process loss and DDP's gradient averaging
-    gives its exact gradient, for any per-rank batch sizes (including 0). Without a process
-    group this is the plain single-process loss.
+    gives its exact gradient, for any per-rank batch sizes (including 0): the
+    [gradient contract][gradient-contract]. Without a process group this is the plain
+    single-process loss.
 
     **Extra negatives.** ``negatives`` adds columns that every image row must rank below its
     text (image→text only; text→image is unchanged): a tensor holds this rank's own negatives
@@ -84,22 +85,16 @@ def info_nce(
     :attr:`DistributedMemoryQueue.negatives`) holds negatives identical on every rank, used as
     they are, without gradient.
 
-    **Sample ids.** ``ids`` gives each pair an int64 identity (a caption id, a document id, a
-    de-duplication hash); pairs of the global batch that share one are not negatives of each other.
-    With ``same_id="mask"`` (the default) a column with the row's id, other than its own positive,
-    is left out of the row's softmax: it neither pushes nor pulls. With ``same_id="positive"`` every
-    column with the row's id is a positive, and the row's loss averages over them (as SupCon and
-    UniCL define it): ``ℓ_i = logsumexp_j l_ij − (1/|P_i|) Σ_{p ∈ P_i} l_ip`` with
+    **Sample ids** ([ids][option-ids]). With ``same_id="mask"`` a column with the row's id, other
+    than its own positive, is left out of the row's softmax. With ``same_id="positive"`` every column
+    with the row's id is a positive: ``ℓ_i = logsumexp_j l_ij − (1/|P_i|) Σ_{p ∈ P_i} l_ip`` with
     ``P_i = {j : id_j = id_i}`` (its own pair included), in each direction. ``negative_ids`` gives
-    the extra negatives ids too (so a mined hard negative that is in fact a positive of its query is
-    masked, or counted as a positive); negatives without ids share none. The ids travel with their
-    columns in both modes: the mask is formed block by block, never as an ``N × N`` matrix.
+    the extra negatives ids too (a mined negative that is a positive of its query is then masked, or
+    counted as a positive); negatives without ids share none.
 
-    **Weights and reduction.** A pair's loss ``ℓ_i`` is the mean of its two directions (its
-    image→text term alone when ``symmetric=False``). With ``weight`` the loss is
-    ``Σ_i w_i ℓ_i / Σ_global w_i`` over the global batch (this rank returns ``W · Σ_local w_i ℓ_i /
-    Σ_global w``, still exact under DDP). ``reduction="none"`` returns this rank's ``ℓ_i`` as they
-    are: the caller owns the normalisation (``rows.sum() * W / N`` gives back the mean's share).
+    **A row** of ``weight`` and ``reduction="none"`` ([weight][option-weight],
+    [reduction][option-reduction]) is a pair: its loss ``ℓ_i`` is the mean of its two directions
+    (its image→text term alone when ``symmetric=False``).
 
     Args:
         image_features: this rank's image embeddings.
@@ -108,34 +103,27 @@ def info_nce(
             ``model.logit_scale.exp()``, as in CLIP); receives gradients. Default ``1 / temperature``.
         temperature: used when ``logit_scale`` is ``None``; must be > 0.
         symmetric: average image→text and text→image (``True``) or image→text only.
-        chunk_size: compute ``chunk_size`` rows at a time against each block of columns, so at
-            most ``chunk_size × block`` logits exist at once; same value and gradients.
-        group: the process group (default: the world).
-        sizes: every rank's batch size, if known: checked against the ranks' rows (required under
-            ``torch.compile``, where it is trusted).
+        chunk_size: rows computed at a time; same result ([chunk_size][option-chunk-size]).
+        group: the process group, default the world ([group][option-group]).
+        sizes: every rank's batch size, if known ([sizes][option-sizes]).
         negatives: extra negative texts: this rank's own ``(k_r, D)`` (same dtype as the texts,
             the same kind on every rank) or :class:`SharedNegatives`; see above.
-        weight: one weight ≥ 0 per local pair (no gradient); see above.
-        reduction: ``"mean"`` (this rank's share of the global mean) or ``"none"`` (per-pair losses).
-        communication: ``"gather"`` gathers every rank's features onto every rank (memory
-            ``O(N·D + chunk·N)``); ``"ring"`` keeps the images here and passes text blocks (with
-            their rank's own negatives) round the ring, each logit block serving both directions
-            (memory ``O(n_r·D + chunk·max_r (n_r + k_r))``, independent of the number of ranks).
-            Same value and gradients, every option included.
-        ids: ``(n_r,)`` int64, one id per local pair, or ``None``; see above.
-        same_id: ``"mask"`` or ``"positive"``: what pairs with the same id are to each other.
+        weight: one weight ≥ 0 per local pair ([weight][option-weight]).
+        reduction: ``"mean"`` or ``"none"``, per-pair losses ([reduction][option-reduction]).
+        communication: ``"gather"`` or ``"ring"``; in ring mode the text blocks travel with their
+            rank's own negatives, the images stay ([communication][option-communication]).
+        ids: one int64 id per local pair, or ``None`` ([ids][option-ids]).
+        same_id: ``"mask"`` or ``"positive"``: what pairs with the same id are ([ids][option-ids]).
         negative_ids: ``(k_r,)`` (own) or ``(K,)`` (shared) int64 ids of ``negatives``, or ``None``.
 
     Returns:
         ``"mean"``: a scalar, this rank's share of the global loss (0 for an empty global batch or
         all-zero weights). ``"none"``: this rank's per-pair losses. Float32 (float64 for float64
-        features): the core runs in float32 with autocast off, so fp16/bf16 features and
-        ``torch.autocast`` work; gradients come back in the inputs' dtypes.
+        features), gradients in the inputs' dtypes ([compute dtypes][compute-dtypes]).
 
     Raises:
         ValueError / TypeError: on every rank, when an input or option is invalid on any rank, or
-            the ranks' inputs or options (temperature, ``symmetric``, ``chunk_size``,
-            ``communication``, ``reduction``, which optional tensors are passed) differ.
+            the ranks' inputs or options differ ([checked on every rank][option-agreement]).
 
     Shape:
         image_features, text_features: ``(n_r, D)``; logit_scale: ``()``; negatives: ``(k_r, D)``
@@ -264,13 +252,12 @@ class DistributedInfoNCE(TemperatureLoss):
     Args:
         temperature: ``1 / logit_scale`` when ``forward`` gets no ``logit_scale``; > 0.
         symmetric: average image→text and text→image, or image→text only.
-        chunk_size: rows per block (bounded memory, same result); ``None``: all at once.
-        group: the process group (default: the world).
-        reduction: ``"mean"`` or ``"none"`` (per-pair losses; the caller normalises).
-        communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
-            ranks; takes ``negatives``, ``weight`` and ``reduction`` too); see :func:`info_nce`.
-        same_id: what pairs with the same ``ids`` (given to ``forward``) are to each other:
-            ``"mask"`` or ``"positive"``; see :func:`info_nce`.
+        chunk_size: rows computed at a time; same result ([chunk_size][option-chunk-size]).
+        group: the process group, default the world ([group][option-group]).
+        reduction: ``"mean"`` or ``"none"``, per-pair losses ([reduction][option-reduction]).
+        communication: ``"gather"`` or ``"ring"`` ([communication][option-communication]).
+        same_id: what pairs with the same ``ids`` (given to ``forward``) are: ``"mask"`` or
+            ``"positive"`` ([ids][option-ids]).
 
     Shape:
         image_features, text_features: ``(n_r, D)``; logit_scale: ``()``; negatives: ``(k_r, D)``;

@@ -69,20 +69,18 @@ def nt_xent(
 
     Each rank uses its ``2 n_r`` local anchors against the gathered ``2N`` columns and returns
     ``(W / 2N) · Σ_local ℓ``: the mean over ranks is the single-process loss, and DDP's gradient
-    averaging gives its exact gradient, for any per-rank batch sizes (including 0).
+    averaging gives its exact gradient, for any per-rank batch sizes (including 0): the
+    [gradient contract][gradient-contract].
 
-    **Sample ids.** ``ids`` gives each sample an int64 identity (e.g. a de-duplication hash of its
-    source image); both views carry it. With ``same_id="mask"`` (the default) the embeddings of
-    *other* samples with an anchor's id are left out of its candidates (its own other view stays its
-    positive); with ``same_id="positive"`` every embedding with the anchor's id but itself is a
-    positive, and ``ℓ_a = logsumexp_{j ≠ a} l_aj − (1/|P_a|) Σ_{p ∈ P_a} l_ap`` with
+    **Sample ids** ([ids][option-ids]), carried by both views of a sample. With ``same_id="mask"``
+    the embeddings of *other* samples with an anchor's id are left out of its candidates (its own
+    other view stays its positive); with ``same_id="positive"`` every embedding with the anchor's id
+    but itself is a positive: ``ℓ_a = logsumexp_{j ≠ a} l_aj − (1/|P_a|) Σ_{p ∈ P_a} l_ap`` with
     ``P_a = {j ≠ a : id_j = id_a}``.
 
-    **Weights and reduction.** A sample's loss ``ℓ_i`` is the mean of its two anchors' losses
-    (so the loss is the mean of the ``ℓ_i``). With ``weight`` the loss is ``Σ_i w_i ℓ_i /
-    Σ_global w_i`` (this rank returns ``W · Σ_local w_i ℓ_i / Σ_global w``, still exact under DDP).
-    ``reduction="none"`` returns this rank's ``ℓ_i`` as they are: the caller owns the
-    normalisation (``rows.sum() * W / N`` gives back the mean's share).
+    **A row** of ``weight`` and ``reduction="none"`` ([weight][option-weight],
+    [reduction][option-reduction]) is a sample: its loss ``ℓ_i`` is the mean of its two anchors'
+    losses (so the loss is the mean of the ``ℓ_i``).
 
     Args:
         z1: first view's embeddings of this rank's samples.
@@ -90,24 +88,26 @@ def nt_xent(
         logit_scale: multiplies the cosine similarities, already exponentiated (e.g. a learnable
             ``model.logit_scale.exp()``); receives gradients. Default ``1 / temperature``.
         temperature: divides the cosine similarities when ``logit_scale`` is ``None``; > 0.
-        chunk_size: anchors per block (at most ``chunk_size × 2N`` logits at once); same result.
-        group: the process group (default: the world).
-        sizes: every rank's batch size, if known: checked against the ranks' rows (required under
-            ``torch.compile``, where it is trusted).
-        weight: one weight ≥ 0 per local sample (no gradient); see above.
-        reduction: ``"mean"`` (this rank's share of the global mean) or ``"none"`` (per-sample losses).
-        ids: ``(n_r,)`` int64, one id per local sample, or ``None``; see above.
-        same_id: ``"mask"`` or ``"positive"``: what samples with the same id are to each other.
-        communication: ``"gather"`` gathers both views of every rank onto every rank (memory
-            ``O(N·D + chunk·N)``); ``"ring"`` passes blocks of both views round the ring instead
-            (memory ``O(n_r·D + chunk·max_r n_r)``, independent of the number of ranks); same result,
-            with ``weight`` (one more scalar all-reduce) and ``reduction="none"`` too.
+        chunk_size: anchors per block, at most ``chunk_size × 2N`` logits at once; same result
+            ([chunk_size][option-chunk-size]).
+        group: the process group, default the world ([group][option-group]).
+        sizes: every rank's batch size, if known ([sizes][option-sizes]).
+        weight: one weight ≥ 0 per local sample ([weight][option-weight]).
+        reduction: ``"mean"`` or ``"none"``, per-sample losses ([reduction][option-reduction]).
+        ids: one int64 id per local sample, or ``None`` ([ids][option-ids]).
+        same_id: ``"mask"`` or ``"positive"``: what samples with the same id are ([ids][option-ids]).
+        communication: ``"gather"`` or ``"ring"``; in ring mode blocks of both views travel
+            ([communication][option-communication]).
 
     Returns:
         ``"mean"``: a scalar, this rank's share of the global loss (0 for an empty global batch or
         all-zero weights); ``"none"``: this rank's per-sample losses.
-        Float32 (float64 for float64 inputs): the core runs in float32 with autocast off;
-        gradients come back in the inputs' dtypes.
+        Float32 (float64 for float64 inputs), gradients in the inputs' dtypes
+        ([compute dtypes][compute-dtypes]).
+
+    Raises:
+        ValueError / TypeError: on every rank, when an input or option is invalid on any rank, or
+            the ranks' inputs or options differ ([checked on every rank][option-agreement]).
 
     Shape:
         z1, z2: ``(n_r, D)``; logit_scale: ``()``; weight: ``(n_r,)``; output: ``()``, or ``(n_r,)``
@@ -189,13 +189,12 @@ class NTXentLoss(TemperatureLoss):
 
     Args:
         temperature: divides the cosine similarities when ``forward`` gets no ``logit_scale``; > 0.
-        chunk_size: anchors per block (bounded memory, same result); ``None``: all at once.
-        group: the process group (default: the world).
-        reduction: ``"mean"`` or ``"none"`` (per-sample losses; the caller normalises).
-        communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
-            ranks; takes ``weight`` and ``reduction`` too); see :func:`nt_xent`.
-        same_id: what samples with the same ``ids`` (given to ``forward``) are to each other:
-            ``"mask"`` or ``"positive"``; see :func:`nt_xent`.
+        chunk_size: anchors per block; same result ([chunk_size][option-chunk-size]).
+        group: the process group, default the world ([group][option-group]).
+        reduction: ``"mean"`` or ``"none"``, per-sample losses ([reduction][option-reduction]).
+        communication: ``"gather"`` or ``"ring"`` ([communication][option-communication]).
+        same_id: what samples with the same ``ids`` (given to ``forward``) are: ``"mask"`` or
+            ``"positive"`` ([ids][option-ids]).
 
     Shape:
         z1, z2: ``(n_r, D)``; logit_scale: ``()``; weight: ``(n_r,)``; output: ``()``, or ``(n_r,)``

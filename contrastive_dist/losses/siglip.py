@@ -65,23 +65,22 @@ def siglip(
     pairs (``i = j``) and ``−1`` otherwise. Every pair is one independent binary term, so only
     the texts are gathered: each rank sums its local image rows against all ``N`` texts and
     returns ``(W / N) ·`` that sum. The mean over ranks is the single-process loss; DDP's
-    gradient averaging gives its gradient, for any per-rank batch sizes (including 0).
+    gradient averaging gives its gradient, for any per-rank batch sizes (including 0): the
+    [gradient contract][gradient-contract].
 
     Features are used as given (normalise them in the model). With ``chunk_size``, rows are
     processed ``chunk_size`` at a time against all texts and their gradients formed on the
     spot, so at most ``chunk_size × N`` logits exist at once, at no extra matrix product.
 
-    **Sample ids.** ``ids`` gives each pair an int64 identity. With ``same_id="mask"`` (the default)
-    a pair ``(i, j)``, ``j ≠ i``, whose ids are equal is no term at all (neither a positive nor a
-    negative); with ``same_id="positive"`` every pair with equal ids is a positive: ``z_ij = +1``.
+    **Sample ids** ([ids][option-ids]). With ``same_id="mask"`` a pair ``(i, j)``, ``j ≠ i``, whose
+    ids are equal is no term at all (neither a positive nor a negative); with ``same_id="positive"``
+    every pair with equal ids is a positive: ``z_ij = +1``.
 
-    **Weights and reduction.** An image row's loss is ``ℓ_i = Σ_j softplus(−z_ij · logit_ij)``,
-    its pairs with all ``N`` texts, so the loss above is the mean of the ``ℓ_i``. With ``weight``
-    (one weight per local image row, applied to all of its pairs) the loss is
-    ``Σ_i w_i ℓ_i / Σ_global w_i`` (this rank returns ``W · Σ_local w_i ℓ_i / Σ_global w``, still
-    exact under DDP). ``reduction="none"`` returns this rank's ``ℓ_i`` as they are: the caller
-    owns the normalisation (``rows.sum() * W / N`` gives back the mean's share); with
-    that mode recomputes each block in backward (one more product per block).
+    **A row** of ``weight`` and ``reduction="none"`` ([weight][option-weight],
+    [reduction][option-reduction]) is an image row: its loss is ``ℓ_i = Σ_j softplus(−z_ij ·
+    logit_ij)``, its pairs with all ``N`` texts, so the loss above is the mean of the ``ℓ_i``; a
+    weight applies to all of its pairs. ``reduction="none"`` recomputes each block in backward (one
+    more product per block).
 
     Args:
         image_features: this rank's image embeddings.
@@ -89,25 +88,25 @@ def siglip(
         logit_scale: similarity multiplier, already exponentiated (learnable, like SigLIP's
             ``t``); > 0 when given as a number.
         logit_bias: added to every logit (learnable ``b``; SigLIP initialises it at −10).
-        chunk_size: image rows per block; same value and gradients.
-        group: the process group (default: the world).
-        sizes: every rank's batch size, if known: checked against the ranks' rows (required under
-            ``torch.compile``, where it is trusted).
-        weight: one weight ≥ 0 per local image row (no gradient); see above.
-        reduction: ``"mean"`` (this rank's share of the global mean) or ``"none"`` (per-row losses).
-        ids: ``(n_r,)`` int64, one id per local pair, or ``None``; see above.
-        same_id: ``"mask"`` or ``"positive"``: what pairs with the same id are to each other.
-        communication: ``"gather"`` gathers every rank's texts onto every rank (memory
-            ``O(N·D + chunk·N)``); ``"ring"`` keeps them local and passes text blocks round the
-            ring instead (memory ``O(n_r·D + chunk·max_r n_r)``, independent of the number of
-            ranks); same value and gradients, with ``weight`` (one more scalar all-reduce) and
-            ``reduction="none"`` too.
+        chunk_size: image rows per block; same result ([chunk_size][option-chunk-size]).
+        group: the process group, default the world ([group][option-group]).
+        sizes: every rank's batch size, if known ([sizes][option-sizes]).
+        weight: one weight ≥ 0 per local image row ([weight][option-weight]).
+        reduction: ``"mean"`` or ``"none"``, per-row losses ([reduction][option-reduction]).
+        ids: one int64 id per local pair, or ``None`` ([ids][option-ids]).
+        same_id: ``"mask"`` or ``"positive"``: what pairs with the same id are ([ids][option-ids]).
+        communication: ``"gather"`` (only the texts are gathered) or ``"ring"`` (text blocks
+            travel) ([communication][option-communication]).
 
     Returns:
         ``"mean"``: a scalar, this rank's share of the global loss (0 for an empty global batch or
         all-zero weights); ``"none"``: this rank's per-row losses.
-        Float32 (float64 for float64 features): the core runs in float32 with autocast off;
-        gradients come back in the inputs' dtypes.
+        Float32 (float64 for float64 features), gradients in the inputs' dtypes
+        ([compute dtypes][compute-dtypes]).
+
+    Raises:
+        ValueError / TypeError: on every rank, when an input or option is invalid on any rank, or
+            the ranks' inputs or options differ ([checked on every rank][option-agreement]).
 
     Shape:
         image_features, text_features: ``(n_r, D)``; logit_scale, logit_bias: ``()``;
@@ -179,13 +178,12 @@ class SigLIPLoss(nn.Module):
     """SigLIP's sigmoid loss over the global batch; holds the options of :func:`siglip`.
 
     Args:
-        chunk_size: image rows per block (bounded memory, same result); ``None``: all at once.
-        group: the process group (default: the world).
-        reduction: ``"mean"`` or ``"none"`` (per-row losses; the caller normalises).
-        communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
-            ranks; takes ``weight`` and ``reduction`` too); see :func:`siglip`.
-        same_id: what pairs with the same ``ids`` (given to ``forward``) are to each other:
-            ``"mask"`` or ``"positive"``; see :func:`siglip`.
+        chunk_size: image rows per block; same result ([chunk_size][option-chunk-size]).
+        group: the process group, default the world ([group][option-group]).
+        reduction: ``"mean"`` or ``"none"``, per-row losses ([reduction][option-reduction]).
+        communication: ``"gather"`` or ``"ring"`` ([communication][option-communication]).
+        same_id: what pairs with the same ``ids`` (given to ``forward``) are: ``"mask"`` or
+            ``"positive"`` ([ids][option-ids]).
 
     Shape:
         image_features, text_features: ``(n_r, D)``; logit_scale, logit_bias: ``()``;

@@ -62,9 +62,10 @@ def supcon(
 
     **Normalisation.** Anchors without positives (a label seen once, single view) contribute
     nothing; the loss is the mean of ``ℓ_a`` over the ``A`` anchors of the global batch that
-    have positives, and 0 (still in the graph) when ``A = 0`` — never NaN. ``A`` comes from the
-    gathered labels, so each rank returns ``(W / A) · Σ_{its anchors with positives} ℓ_a`` and
-    the mean over ranks is the single-process loss, for any per-rank batch sizes (including 0).
+    have positives, and 0 (still in the graph) when ``A = 0`` — never NaN. Each rank counts its
+    anchors with positives and one scalar all-reduce sums the counts, so each rank returns
+    ``(W / A) · Σ_{its anchors with positives} ℓ_a`` and the mean over ranks is the single-process
+    loss, for any per-rank batch sizes (including 0): the [gradient contract][gradient-contract].
 
     **Conventions that differ from the paper's reference code** (``SupConLoss`` of
     HobbitLong/SupContrast): there, anchors without positives count as 0 in a mean over *all*
@@ -76,10 +77,11 @@ def supcon(
     block's logits under a same-label mask (``chunk × N·V``, beside the logits), so it stays exact
     for large un-normalised features, and each ``ℓ_a`` is ≥ 0.
 
-    **Weights and reduction.** ``weight`` holds one weight per sample, shared by its views: the
-    loss is ``Σ_a w_a ℓ_a / Σ_a w_a`` over the global anchors with positives (this rank returns
-    ``W ·`` its weighted sum ``/ Σ_global``). ``reduction="none"`` returns this rank's ``ℓ_a``
-    (0 for an anchor without positives): the caller owns the normalisation.
+    **Weights and reduction** ([weight][option-weight], [reduction][option-reduction]). A weight
+    belongs to a sample and is shared by its views: the loss is ``Σ_a w_a ℓ_a / Σ_a w_a`` over the
+    global anchors with positives, whose weight total takes the all-reduce in place of ``A``.
+    ``reduction="none"`` returns this rank's ``ℓ_a``, 0 for an anchor without
+    positives.
 
     Args:
         features: this rank's embeddings, one view ``(n_r, D)`` or several ``(n_r, V, D)``.
@@ -87,23 +89,23 @@ def supcon(
         logit_scale: multiplies the similarities, already exponentiated (e.g. a learnable
             ``model.logit_scale.exp()``); receives gradients. Default ``1 / temperature``.
         temperature: divides the similarities when ``logit_scale`` is ``None``; > 0.
-        chunk_size: anchors per block (the logits and two masks of ``chunk_size × N·V`` at once); same result.
-        group: the process group (default: the world).
-        sizes: every rank's batch size ``n_r``, if known: checked against the ranks' rows (required
-            under ``torch.compile``, where it is trusted).
-        weight: one weight ≥ 0 per local sample (no gradient); see above.
-        reduction: ``"mean"`` (this rank's share of the global mean) or ``"none"`` (per-anchor losses).
-        communication: ``"gather"`` gathers every rank's embeddings and labels onto every rank
-            (memory ``O(N·V·D + chunk·N·V)``); ``"ring"`` passes blocks of them round the ring
-            instead (memory ``O(n_r·V·D + chunk·max_r n_r·V)``, independent of the number of ranks;
-            the anchor count, or with ``weight`` the anchors' weight total, takes one scalar
-            all-reduce); same result, with ``weight`` and ``reduction="none"`` too.
+        chunk_size: anchors per block, the logits and two masks of ``chunk_size × N·V`` at once;
+            same result ([chunk_size][option-chunk-size]).
+        group: the process group, default the world ([group][option-group]).
+        sizes: every rank's batch size ``n_r``, if known ([sizes][option-sizes]).
+        weight: one weight ≥ 0 per local sample ([weight][option-weight]).
+        reduction: ``"mean"`` or ``"none"``, per-anchor losses ([reduction][option-reduction]).
+        communication: ``"gather"`` or ``"ring"``; the labels travel with the embeddings
+            ([communication][option-communication]).
 
     Returns:
         ``"mean"``: a scalar, this rank's share of the global loss; ``"none"``: this rank's
-        per-anchor losses. Float32 (float64 for float64
-        features): the core runs in float32 with autocast off; gradients come back in the
-        features' dtype.
+        per-anchor losses. Float32 (float64 for float64 features), gradients in the features'
+        dtype ([compute dtypes][compute-dtypes]).
+
+    Raises:
+        ValueError / TypeError: on every rank, when an input or option is invalid on any rank, or
+            the ranks' inputs or options differ ([checked on every rank][option-agreement]).
 
     Shape:
         features: ``(n_r, D)`` or ``(n_r, V, D)``; labels, weight: ``(n_r,)``; logit_scale: ``()``;
@@ -192,11 +194,10 @@ class SupConLoss(TemperatureLoss):
 
     Args:
         temperature: divides the similarities when ``forward`` gets no ``logit_scale``; > 0.
-        chunk_size: anchors per block (bounded memory, same result); ``None``: all at once.
-        group: the process group (default: the world).
-        reduction: ``"mean"`` or ``"none"`` (per-anchor losses; the caller normalises).
-        communication: ``"gather"`` or ``"ring"`` (per-rank memory independent of the number of
-            ranks; takes ``weight`` and ``reduction`` too); see :func:`supcon`.
+        chunk_size: anchors per block; same result ([chunk_size][option-chunk-size]).
+        group: the process group, default the world ([group][option-group]).
+        reduction: ``"mean"`` or ``"none"``, per-anchor losses ([reduction][option-reduction]).
+        communication: ``"gather"`` or ``"ring"`` ([communication][option-communication]).
 
     Shape:
         features: ``(n_r, D)`` or ``(n_r, V, D)``; labels, weight: ``(n_r,)``; logit_scale: ``()``;
