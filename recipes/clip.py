@@ -357,8 +357,8 @@ class CLIP(L.LightningModule):
         else:
             image, text = self.encode(images, tokens)
         scale = self.logit_scale.clamp(max=math.log(100)).exp()  # CLIP's clamp, inside the graph
-        # The mean over ranks of the per-rank losses is the single-process loss of the global batch;
-        # with --caption-ids, pairs of the global batch that share a caption are not its negatives.
+        # The mean over ranks of the per-rank losses is the single-process loss of the global batch; with
+        # --caption-ids, pairs that share a caption, on any rank, are not each other's negatives.
         loss = self.loss(image, text, scale, sizes=sizes, ids=None if self.args.caption_ids == "none" else captions)
         self.log("train/loss", loss.detach(), sync_dist=True, prog_bar=True)
         self.log("train/logit_scale", scale.detach(), rank_zero_only=True)
@@ -380,7 +380,7 @@ class CLIP(L.LightningModule):
         return optimizer_and_schedule(self, self.args)
 
 
-# -- held-out recall, by caption ----------------------------------------------------------------
+# -- held-out recall, by caption ------------------------------------------------------------------
 
 
 def recall_by_caption(image: Tensor, text: Tensor, captions: Tensor, *, top_k: Sequence[int]) -> dict[str, Tensor]:
@@ -441,7 +441,7 @@ def retrieval_grid(model: CLIP, dataset: Any, path: Path, *, panels: int = 8) ->
             lines.append((f"true: {items[i][1][:42]}", "crimson"))
         for row, (line, colour) in enumerate(lines):
             axis.text(0.0, -0.05 - 0.1 * row, line, transform=axis.transAxes, va="top", fontsize=7, color=colour)
-    figure.suptitle(f"held-out images and their top-{top} retrieved captions\n✓ green: the right caption   "
+    figure.suptitle(f"held-out images and their top-{top} retrieved captions\n✓ green: the right caption (any copy)   "
                     "✗ grey: a wrong one   red 'true:': the right caption, when it is not among them", fontsize=9)
     figure.subplots_adjust(left=0.02, right=0.98, top=0.86, bottom=0.12, hspace=0.75, wspace=0.15)
     figure.savefig(path, dpi=110, bbox_inches="tight")  # the caption lines sit below the axes
