@@ -38,8 +38,9 @@ def first_loss(output_dir: Path) -> float:
 
 @pytest.mark.timeout(480)  # three runs of at most 150 s each (see test_recipes.run)
 def test_caption_ids_on_repeated_captions_change_the_loss_and_report_recall_by_caption(tmp_path: Path) -> None:
-    # --duplicate-captions 1: every image captioned by its colour-shape kind (30 captions, 4 forms each),
-    # so a global batch of 16 holds pairs that share a caption, in different forms, within and across ranks.
+    # --duplicate-captions 1: every image captioned by its colour-shape kind (30 captions, 4 written forms
+    # each), so a global batch of 16 holds pairs that share a caption, mostly in different forms (with
+    # identical texts, multi-positive rows would give the plain loss exactly: the forms make it differ).
     flags = [*COMMON, "--duplicate-captions", "1", "--train-size", "40", "--val-size", "16", "--max-steps", "3",
              "--val-every", "1"]
     results = {mode: run("clip.py", *flags, "--caption-ids", mode, "--output-dir", mode, cwd=tmp_path)
@@ -49,7 +50,8 @@ def test_caption_ids_on_repeated_captions_change_the_loss_and_report_recall_by_c
     # 4.4485 without ids, and 4.5060 with multi-positive rows; float32 rounding is ~1e-6.
     assert loss["mask"] < loss["none"] - 1e-3, loss
     assert abs(loss["positive"] - loss["none"]) > 1e-3, loss
-    captions = torch.tensor([caption_id(text) for text in ShapesDataset("val", size=16, duplicate_captions=1).captions])
+    held_out = ShapesDataset("val", size=16, image_size=16, duplicate_captions=1)  # as the runs draw it
+    captions = torch.tensor([caption_id(text) for text in held_out.captions])
     assert len(set(captions.tolist())) < 16  # the held-out split repeats captions too
     chance = recall_by_chance(captions, (1, 5))
     for mode, result in results.items():
