@@ -1,12 +1,14 @@
 """Train a small CLIP with Lightning DDP and ``DistributedInfoNCE``; runs as shipped, no download.
 
 The default data are generated images of coloured shapes with captions that name them ("a small
-red circle in the top left"); the held-out split has distinct captions, and image→text /
-text→image recall@1/@5 over the whole held-out split (gathered from every rank) is reported
-against chance. Image tower: a torchvision ResNet for small images; text tower: a byte-level
-transformer; a learnable, log-parameterised ``logit_scale`` clamped at 100 as in CLIP. Loading is
-drop-last-free and resumable mid-epoch (``contrastive_dist.lightning``). Read this file and
-``shared.py`` (shapes, backbone, flags, Trainer, report).
+red circle in the top left"); image→text / text→image recall@1/@5 over the whole held-out split
+(gathered from every rank) is reported against chance. Recall counts by caption: a query is a hit
+when one of its k best answers carries the query's caption (any copy of it), which is ordinary
+recall when captions are distinct (the default held-out split). Image tower: a torchvision ResNet
+for small images; text tower: a byte-level transformer; a learnable, log-parameterised
+``logit_scale`` clamped at 100 as in CLIP. Loading is drop-last-free and resumable mid-epoch
+(``contrastive_dist.lightning``). Read this file and ``shared.py`` (shapes, backbone, flags,
+Trainer, report).
 
 One machine, CPU (2 processes, gloo) or all visible GPUs::
 
@@ -30,6 +32,14 @@ devices too: keep ``--batch-size`` × devices to continue with the very same glo
 beyond what the activations allow: ``--grad-cache M`` encodes M rows at a time and re-encodes them in backward
 (``contrastive_dist.grad_cache``; exact with ``--norm group``, BatchNorm sees M-row statistics).
 
+Repeated captions, as web data has them: ``--duplicate-captions 0.5`` captions every image of half
+the colour-shape kinds by its kind alone ("a red circle", "A red circle."), in both splits;
+``--caption-ids mask`` passes each pair's caption id to the loss (``ids=``: a hash of the caption up
+to case and punctuation), so pairs with the same caption are not each other's negatives;
+``--caption-ids positive`` makes them each other's positives (``same_id="positive"``)::
+
+    python recipes/clip.py --duplicate-captions 0.5 --caption-ids mask
+
 Sharded streams: ``--data webdataset:PATH``, PATH a directory of ``.tar`` shards or a brace pattern
 (``shards/{000000..000999}.tar``; URLs and ``pipe:`` commands as webdataset reads them). Each sample
 is the files of one key in a shard: an image (``jpg``, ``jpeg``, ``png`` or ``webp``) and its caption
@@ -48,7 +58,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import math
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -78,7 +90,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
-from contrastive_dist import DistributedInfoNCE, convert_sync_batchnorm, grad_cache, retrieval_accuracy
+from contrastive_dist import DistributedInfoNCE, all_gather_many, convert_sync_batchnorm, grad_cache
 from contrastive_dist.lightning import distributed_loader, step_sizes, streaming_loader
 
 # -- data -----------------------------------------------------------------------------------------
@@ -100,15 +112,27 @@ class ByteTokenizer:
         return tokens
 
 
+def caption_id(text: str) -> int:
+    """The caption's id, in [0, 2**63): a hash of its words, so case, punctuation and spacing do not count.
+
+    BLAKE2 gives every process the same id (Python's ``hash`` of a string differs between processes);
+    with 63 bits, two different captions share an id with probability ~1e-19 per pair.
+    """
+    words = " ".join(re.findall(r"\w+", text.lower()))
+    return int.from_bytes(hashlib.blake2b(words.encode(), digest_size=8).digest(), "little") >> 1
+
+
 class CaptionCollate:
-    """``(image uint8, caption, ..., index)`` items → ``(images, tokens, indices)``; picklable for workers."""
+    """``(image uint8, caption, ..., index)`` items → ``(images, tokens, caption ids, indices)``; picklable."""
 
     def __init__(self, context_length: int) -> None:
         self.tokenize = ByteTokenizer(context_length)
 
-    def __call__(self, items: list[tuple[Any, ...]]) -> tuple[Tensor, Tensor, Tensor]:
+    def __call__(self, items: list[tuple[Any, ...]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         images = normalize(torch.stack([item[0] for item in items]))
-        return images, self.tokenize([item[1] for item in items]), torch.tensor([item[-1] for item in items])
+        captions = [item[1] for item in items]
+        ids = torch.tensor([caption_id(text) for text in captions], dtype=torch.long)
+        return images, self.tokenize(captions), ids, torch.tensor([item[-1] for item in items])
 
 
 class CsvCaptions(Dataset):
@@ -129,8 +153,8 @@ class CsvCaptions(Dataset):
 
 
 def shapes_data(location: str, args: argparse.Namespace) -> tuple[Dataset, Dataset]:
-    return (ShapesDataset("train", size=args.train_size, image_size=args.image_size, seed=args.seed),
-            ShapesDataset("val", size=args.val_size, image_size=args.image_size, seed=args.seed))
+    options = {"image_size": args.image_size, "seed": args.seed, "duplicate_captions": args.duplicate_captions}
+    return ShapesDataset("train", size=args.train_size, **options), ShapesDataset("val", size=args.val_size, **options)
 
 
 def csv_data(location: str, args: argparse.Namespace) -> tuple[Dataset, Dataset]:
@@ -298,10 +322,12 @@ class CLIP(L.LightningModule):
         self.text_tower = TextTransformer(width=args.text_width, context_length=args.context_length)
         self.text_projection = nn.Linear(args.text_width, args.embed_dim, bias=False)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
-        self.loss = DistributedInfoNCE(communication=args.communication)
+        same_id = "positive" if args.caption_ids == "positive" else "mask"
+        self.loss = DistributedInfoNCE(communication=args.communication, same_id=same_id)
         self.collate = CaptionCollate(args.context_length)
         self.top_k = (1, 5) if len(val_set) >= 5 else (1,)  # type: ignore[arg-type]
-        self.val_features: list[tuple[Tensor, Tensor]] = []
+        self.val_features: list[tuple[Tensor, Tensor, Tensor]] = []
+        self.chance = recall_by_chance(torch.arange(len(val_set)), self.top_k)  # type: ignore[arg-type]
 
     def train_dataloader(self) -> Any:
         if isinstance(self.train_set, Shards):  # --data webdataset:PATH
@@ -322,8 +348,8 @@ class CLIP(L.LightningModule):
     def encode(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         return self.encode_image(images), self.encode_text(tokens)
 
-    def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
-        images, tokens, _ = batch  # the last step of an epoch may leave this rank 0 rows
+    def training_step(self, batch: tuple[Tensor, Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
+        images, tokens, captions, _ = batch  # the last step of an epoch may leave this rank 0 rows
         sizes = step_sizes(self.trainer, batch_idx)
         if self.args.grad_cache:  # --grad-cache M: each tower encodes M rows at a time, re-encoded in backward
             image = grad_cache(self.encode_image, images, mini_batch_size=self.args.grad_cache, sizes=sizes)
@@ -331,35 +357,71 @@ class CLIP(L.LightningModule):
         else:
             image, text = self.encode(images, tokens)
         scale = self.logit_scale.clamp(max=math.log(100)).exp()  # CLIP's clamp, inside the graph
-        # The mean over ranks of the per-rank losses is the single-process loss of the global batch.
-        loss = self.loss(image, text, scale, sizes=sizes)
+        # The mean over ranks of the per-rank losses is the single-process loss of the global batch; with
+        # --caption-ids, pairs that share a caption, on any rank, are not each other's negatives.
+        loss = self.loss(image, text, scale, sizes=sizes, ids=None if self.args.caption_ids == "none" else captions)
         self.log("train/loss", loss.detach(), sync_dist=True, prog_bar=True)
         self.log("train/logit_scale", scale.detach(), rank_zero_only=True)
         return loss
 
-    def validation_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
-        self.val_features.append(self.encode(batch[0], batch[1]))
+    def validation_step(self, batch: tuple[Tensor, Tensor, Tensor, Tensor], batch_idx: int) -> None:
+        self.val_features.append((*self.encode(batch[0], batch[1]), batch[2]))
 
     def on_validation_epoch_end(self) -> None:
-        image, text = (torch.cat(parts) for parts in zip(*self.val_features))
+        local = [torch.cat(parts) for parts in zip(*self.val_features)]
         self.val_features.clear()
-        # Every rank gathers the whole held-out split: exact recall, the same value on every rank.
-        for key, value in retrieval_accuracy(image, text, top_k=self.top_k).items():
+        # Every rank gathers the whole held-out split (uneven shares too): the same recall on every rank.
+        image, text, captions = all_gather_many(local).tensors
+        for key, value in recall_by_caption(image, text, captions, top_k=self.top_k).items():
             self.log(f"val/{key}", value, prog_bar=key.endswith("r1"), sync_dist=True)
+        self.chance = recall_by_chance(captions, self.top_k)
 
     def configure_optimizers(self) -> Any:
         return optimizer_and_schedule(self, self.args)
 
 
+# -- held-out recall, by caption ------------------------------------------------------------------
+
+
+def recall_by_caption(image: Tensor, text: Tensor, captions: Tensor, *, top_k: Sequence[int]) -> dict[str, Tensor]:
+    """Recall@k of each image among the texts and of each text among the images, counted by caption.
+
+    A query is a hit at ``k`` when fewer than ``k`` answers *with another caption* score strictly
+    higher than its best answer with its own caption: an image that finds any copy of its caption
+    is right, and so is a text that finds any image it captions; none of the runs is rewarded or
+    penalised for how it orders copies of one caption. With distinct captions this is
+    :func:`contrastive_dist.retrieval_accuracy` (ties count for the query there too).
+
+    Shape:
+        image, text: ``(N, D)``, row ``i`` a pair; captions: ``(N,)`` int64 caption ids.
+    """
+    same = captions[:, None] == captions[None, :]
+    recall = {}
+    for name, scores in (("image_to_text", image @ text.T), ("text_to_image", text @ image.T)):
+        best_right = scores.masked_fill(~same, -math.inf).amax(dim=1, keepdim=True)
+        wrong_above = (scores.masked_fill(same, -math.inf) > best_right).sum(dim=1)
+        recall.update({f"{name}_r{k}": (wrong_above < k).to(scores.dtype).mean() for k in top_k})
+    return recall
+
+
+def recall_by_chance(captions: Tensor, top_k: Sequence[int]) -> dict[str, float]:
+    """:func:`recall_by_caption` of a random order: a query with ``m`` right answers among ``N`` misses at ``k``
+    with probability ``C(N - m, k) / C(N, k)``; the same in both directions."""
+    _, inverse, counts = torch.unique(captions, return_inverse=True, return_counts=True)
+    n, right = len(captions), counts[inverse].tolist()
+    return {f"val/{direction}_r{k}": sum(1 - math.comb(n - m, k) / math.comb(n, k) for m in right) / n
+            for direction in ("image_to_text", "text_to_image") for k in top_k}
+
+
 def retrieval_grid(model: CLIP, dataset: Any, path: Path, *, panels: int = 8) -> None:
-    """Held-out images with their top-3 retrieved captions: the right one marked, the true one shown if missed."""
+    """Held-out images with their top-3 retrieved captions: right ones marked, the true one shown if missed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     items = [dataset[i] for i in range(len(dataset))]
-    images, tokens, _ = model.collate(items)
+    images, tokens, *_ = model.collate(items)
     model.eval()
     with torch.no_grad():
         image, text = model.encode(images, tokens)
@@ -372,17 +434,25 @@ def retrieval_grid(model: CLIP, dataset: Any, path: Path, *, panels: int = 8) ->
         axis.axis("off")
     for i, axis in enumerate(axes.flat[:panels]):
         axis.imshow(items[i][0].permute(1, 2, 0).numpy(), interpolation="nearest")
-        lines = [(f"{'✓' if j == i else '✗'} {k + 1}. {items[j][1][:42]}", "green" if j == i else "dimgray")
-                 for k, j in enumerate(retrieved[i])]
-        if i not in retrieved[i]:
+        right = [caption_id(items[j][1]) == caption_id(items[i][1]) for j in retrieved[i]]  # any copy counts
+        lines = [(f"{'✓' if hit else '✗'} {k + 1}. {items[j][1][:42]}", "green" if hit else "dimgray")
+                 for k, (j, hit) in enumerate(zip(retrieved[i], right))]
+        if not any(right):
             lines.append((f"true: {items[i][1][:42]}", "crimson"))
         for row, (line, colour) in enumerate(lines):
             axis.text(0.0, -0.05 - 0.1 * row, line, transform=axis.transAxes, va="top", fontsize=7, color=colour)
-    figure.suptitle(f"held-out images and their top-{top} retrieved captions\n✓ green: the right caption   "
+    figure.suptitle(f"held-out images and their top-{top} retrieved captions\n✓ green: the right caption (any copy)   "
                     "✗ grey: a wrong one   red 'true:': the right caption, when it is not among them", fontsize=9)
     figure.subplots_adjust(left=0.02, right=0.98, top=0.86, bottom=0.12, hspace=0.75, wspace=0.15)
     figure.savefig(path, dpi=110, bbox_inches="tight")  # the caption lines sit below the axes
     plt.close(figure)
+
+
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {value}")
+    return value
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -408,7 +478,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="no random augmentation of CSV images (the generated shapes have none)")
     data.add_argument("--image-size", type=int, default=32, help="image side in pixels")
     data.add_argument("--train-size", type=int, default=8192, help="generated training samples")
-    data.add_argument("--val-size", type=int, default=256, help="held-out samples (distinct captions; CSV: last rows)")
+    data.add_argument("--val-size", type=int, default=256,
+                      help="held-out samples (shapes: distinct attributes; CSV: the last rows)")
+    data.add_argument("--duplicate-captions", type=fraction, default=0.0, metavar="F",
+                      help="shapes: caption every image of a fraction F of the 30 colour-shape kinds by its kind "
+                      "alone ('a red circle', 'A red circle.'), in both splits, as web alt-text repeats one caption "
+                      "for many images")
+    data.add_argument("--caption-ids", choices=("none", "mask", "positive"), default="none",
+                      help="give the loss each pair's caption id (ids=; case and punctuation aside): pairs with the "
+                      "same caption are not each other's negatives (mask) or are each other's positives (positive)")
     data.add_argument("--backbone", choices=BACKBONES, default="resnet-small", help="image tower")
     data.add_argument("--norm", choices=NORMS, default="batch",
                       help="the image tower's normalization; group: no batch statistics, so --grad-cache is exact")
@@ -435,6 +513,8 @@ def main(argv: Sequence[str] | None = None, callbacks: Sequence[L.Callback] = ()
     kind, _, location = args.data.partition(":")
     if kind not in DATA_SOURCES:
         sys.exit(f"error: --data must be one of {sorted(DATA_SOURCES)} (with ':PATH' where needed), got {args.data!r}")
+    if args.duplicate_captions and kind != "shapes":
+        sys.exit(f"error: --duplicate-captions changes the generated shapes' captions; --data is {args.data!r}")
     try:
         train_set, val_set = DATA_SOURCES[kind](location, args)
     except (OSError, ValueError) as error:
@@ -443,18 +523,15 @@ def main(argv: Sequence[str] | None = None, callbacks: Sequence[L.Callback] = ()
     trainer = make_trainer(args, monitor="val/image_to_text_r1", callbacks=callbacks)
     if not fit(trainer, model, args):
         return
-    n = len(val_set)  # type: ignore[arg-type]
-    chance = {f"val/{direction}_r{k}": min(k, n) / n for direction in ("image_to_text", "text_to_image")
-              for k in model.top_k}
     files = {"metrics": Path(trainer.loggers[0].log_dir or ".") / "metrics.csv",
              "checkpoints": args.output_dir / "checkpoints"}
     rows = read_metrics(args.output_dir)
     if not args.no_plots:
         files["curves"] = args.output_dir / "curves.png"
-        plot_curves(rows, list(chance), files["curves"], f"CLIP on {args.data}")
+        plot_curves(rows, list(model.chance), files["curves"], f"CLIP on {args.data}")
         files["retrievals"] = args.output_dir / "retrievals.png"
         retrieval_grid(model.cpu(), val_set, files["retrievals"])
-    print_summary(f"CLIP, held-out split of {n}", rows, chance, trainer=trainer,
+    print_summary(f"CLIP, held-out split of {len(val_set)}", rows, model.chance, trainer=trainer,
                   seconds=time.perf_counter() - start, files=files)
 
 

@@ -43,11 +43,18 @@ SIZES = {"small": 0.11, "large": 0.19}  # radius as a fraction of the image side
 POSITIONS = {"top left": (0, 0), "top middle": (0, 1), "top right": (0, 2), "middle left": (1, 0), "center": (1, 1),
              "middle right": (1, 2), "bottom left": (2, 0), "bottom middle": (2, 1), "bottom right": (2, 2)}
 COMBINATIONS = len(SHAPES) * len(COLOURS) * len(SIZES) * len(POSITIONS)
+KINDS = len(SHAPES) * len(COLOURS)  # colour-shape kinds: what a coarse caption names
 MEAN, STD = 0.5, 0.25  # uint8 images become (x / 255 - MEAN) / STD
 
 
 def caption(shape: int, colour: int, size: int, position: int) -> str:
     return f"a {list(SIZES)[size]} {list(COLOURS)[colour]} {SHAPES[shape]} in the {list(POSITIONS)[position]}"
+
+
+def kind_caption(shape: int, colour: int, form: int) -> str:
+    """The coarse caption of a kind, in one of 4 forms: ``form`` bit 0 capitalises, bit 1 adds a full stop."""
+    text = f"a {list(COLOURS)[colour]} {SHAPES[shape]}"
+    return (text.capitalize() if form & 1 else text) + ("." if form & 2 else "")
 
 
 def render(attributes: Tensor, image_size: int, generator: torch.Generator, *, background_noise: float = 0.04,
@@ -87,21 +94,30 @@ class ShapesDataset(Dataset):
     """Items ``(image uint8 (3, S, S), caption, label = the shape, index)``, the same on every rank and run.
 
     ``"train"`` draws attributes at random; ``"val"`` renders distinct combinations (at most
-    :data:`COMBINATIONS`), so every held-out caption is unique and retrieval has chance ``1/N``.
+    :data:`COMBINATIONS`), so every held-out caption is unique and retrieval has chance ``1/N``
+    (unless ``duplicate_captions``).
+
+    ``duplicate_captions=F`` makes captions repeat as on the web, where one alt-text ("a photo of a
+    dog") covers many images: a fraction ``F`` of the :data:`KINDS` colour-shape kinds, the same in
+    both splits, is captioned by its kind alone, written in one of the 4 forms of :func:`kind_caption`
+    ("a red circle", "A red circle."); size and position go unnamed. Images do not change with ``F``.
     """
 
     def __init__(self, split: str, *, size: int, image_size: int = 32, seed: int = 0,
-                 background_noise: float = 0.04, tint_spread: float = 0.2) -> None:
+                 background_noise: float = 0.04, tint_spread: float = 0.2, duplicate_captions: float = 0.0) -> None:
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         if split == "val" and not 0 < size <= COMBINATIONS:
-            raise ValueError(f"the held-out split has distinct captions: size must be in [1, {COMBINATIONS}], "
+            raise ValueError(f"the held-out split has distinct combinations: size must be in [1, {COMBINATIONS}], "
                              f"got {size}")
         if size < 1 or image_size < 8:
             raise ValueError(f"expected size >= 1 and image_size >= 8, got {size} and {image_size}")
         if not (0 <= background_noise and 0 <= tint_spread <= 0.4):
             raise ValueError(f"expected background_noise >= 0 and tint_spread in [0, 0.4], "
                              f"got {background_noise} and {tint_spread}")
+        if not 0 <= duplicate_captions <= 1:
+            raise ValueError(f"duplicate_captions is a fraction of the colour-shape kinds, in [0, 1]; "
+                             f"got {duplicate_captions}")
         generator = torch.Generator().manual_seed(seed * 2 + (split == "val"))
         ranges = (len(SHAPES), len(COLOURS), len(SIZES), len(POSITIONS))
         if split == "val":
@@ -114,6 +130,13 @@ class ShapesDataset(Dataset):
                                         tint_spread=tint_spread) for chunk in attributes.split(1024)])
         self.captions = [caption(*row) for row in attributes.tolist()]
         self.labels = attributes[:, 0].tolist()
+        # Drawn after the images, so they stay the same; the kinds from the seed alone: the same in both splits.
+        forms = torch.randint(4, (size,), generator=generator).tolist()
+        kinds = torch.randperm(KINDS, generator=torch.Generator().manual_seed(seed))
+        kinds = kinds[: round(duplicate_captions * KINDS)]
+        coarse = torch.isin(attributes[:, 0] * len(COLOURS) + attributes[:, 1], kinds)
+        for index in coarse.nonzero().flatten().tolist():
+            self.captions[index] = kind_caption(*attributes[index, :2].tolist(), forms[index])
 
     def __len__(self) -> int:
         return len(self.captions)
