@@ -100,7 +100,8 @@ def distributed_loader(
             ranks with nothing repeated or dropped (exact evaluation).
         seed: the base seed of the order; the same on every rank.
         collate_fn: collates a non-empty list of samples; an empty rank's batch is derived from it.
-        num_workers: DataLoader worker processes; they persist across epochs when there are any.
+        num_workers: DataLoader worker processes; they persist across epochs when there are any, and
+            exit when their rank does, even killed.
         **loader_options: any other ``DataLoader`` option (``pin_memory``, ``prefetch_factor``, ...).
 
     Returns:
@@ -179,7 +180,8 @@ def streaming_loader(
         seed: the base seed of the shard order; the same on every rank.
         collate_fn: collates a non-empty list of samples.
         num_workers: DataLoader worker processes per rank, started with ``forkserver`` (workers
-            forked from a process in a gloo group were seen to hang) and new each epoch.
+            forked from a process in a gloo group were seen to hang) and new each epoch; they and
+            the forkserver exit when their rank does, even killed.
         lookahead: batches fetched per agreement between the ranks (see
             :class:`~contrastive_dist.DistributedStreamingBatches`).
         **loader_options: any other ``DataLoader`` option (``pin_memory``, ``prefetch_factor``, ...).

@@ -25,6 +25,7 @@ of the epoch is dealt to the new slots; steps keep their numbers, as Lightning's
 
 DataLoader workers forked from a process that has joined a gloo group were seen to hang at start
 (in C code, some of them); ``multiprocessing_context="forkserver"`` starts them from a clean process.
+The loader's workers end when this process does, even killed (``SIGKILL``), and its forkserver then.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from contrastive_dist.data._stream_window import (
     gather_rows,
     progress_digest,
 )
+from contrastive_dist.data._worker_watch import exit_with_rank
 
 __all__ = ["DistributedStreamingBatches"]
 
@@ -125,6 +127,7 @@ class DistributedStreamingBatches:
                 f"{type(error).__name__}: {error}. Use collate_fn=EmptySafeCollate([example_sample])"
             ) from error
         self.pipeline = track_positions(loader)
+        exit_with_rank(loader)  # its workers end with this process, even one killed
         self.loader = loader
         self.empty_batch = empty_batch
         self.lookahead = lookahead
