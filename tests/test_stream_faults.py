@@ -113,6 +113,7 @@ def stream(shards, *, num_workers, on_error, shuffle, directory, state=None):
 
 def raise_scenario(shards, num_workers, directory):
     """Iterate until the error: its text, when this rank raised, and what it was chained to."""
+    dist.barrier()  # every rank starts together: the time to raise is the error's, not a rank's late start
     steps = 0
     try:
         for _ in stream(shards, num_workers=num_workers, on_error="raise", shuffle=False, directory=directory):
@@ -156,14 +157,14 @@ def rank_main(rank, store_path, out_dir, raise_cases, skip_shards):
     torch_mp.set_forkserver_preload(["torch", "webdataset", "contrastive_dist", __name__])
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))
-    results = {"raise": [raise_scenario(*case) for case in raise_cases]}
     alone = skip_segment(skip_shards, 0, out_dir)
-    whole = skip_segment(skip_shards, 2, out_dir)
+    whole = skip_segment(skip_shards, 2, out_dir)  # first with workers: the forkservers start before any timing
     first = skip_segment(skip_shards, 2, out_dir, stop_after=3)
     states = [None] * WORLD
     dist.all_gather_object(states, first["state"])
     rest = skip_segment(skip_shards, 1, out_dir, state=states[0])  # rank 0's state, on every rank
-    results["skip"] = {"alone": alone, "whole": whole, "first": first, "rest": rest, "states_equal": states}
+    results = {"skip": {"alone": alone, "whole": whole, "first": first, "rest": rest, "states_equal": states}}
+    results["raise"] = [raise_scenario(*case) for case in raise_cases]
     results["mixed"] = mixed_on_error(rank, out_dir)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()

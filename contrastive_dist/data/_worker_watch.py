@@ -4,7 +4,7 @@ A DataLoader worker watches its parent process, and only while it waits for work
 every 5 s). Under the ``forkserver`` context that this package recommends, the parent is the
 forkserver, not the rank; and a forkserver exits only once every process it started has closed its
 end of an "alive" pipe, which every worker holds. So a rank killed mid-epoch left its workers and
-its forkserver running, each waiting for the other, until ended by hand (measured: 0.5 GB each).
+its forkserver running, each waiting for the other, until ended by hand.
 
 :class:`ExitWithRank`, installed as the loader's ``worker_init_fn`` (around the user's own), starts a
 thread in each worker that waits for the *rank* to exit (on a pidfd where the OS has them: woken the
