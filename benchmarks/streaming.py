@@ -3,8 +3,8 @@
 Each rank iterates an in-memory loader of ready batches (so only the wrapper's own work is timed):
 
 * ``plain loader``                 : the loader alone (no agreement: ranks with fewer batches would hang DDP)
-* ``lookahead=1``                  : one all-gather of a (1, 5) int64 row per step
-* ``lookahead=8``                  : one all-gather of a (1, 33) row per 8 steps (8 batches held ahead)
+* ``lookahead=1``                  : one all-gather of a (1, 7) int64 row per step
+* ``lookahead=8``                  : one all-gather of a (1, 42) row per 8 steps (8 batches held ahead)
 * ``all_gather(x)``                : for scale: a loss's gather of a 4x8 batch, with its own size exchange
 * ``all_gather(x, sizes=)``        : the same gather given the wrapper's ``sizes(step)``: the difference
                                      is the exchange that ``lookahead=1``'s agreement replaces

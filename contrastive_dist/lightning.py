@@ -100,7 +100,8 @@ def distributed_loader(
             ranks with nothing repeated or dropped (exact evaluation).
         seed: the base seed of the order; the same on every rank.
         collate_fn: collates a non-empty list of samples; an empty rank's batch is derived from it.
-        num_workers: DataLoader worker processes; they persist across epochs when there are any.
+        num_workers: DataLoader worker processes; they persist across epochs when there are any, and
+            exit when their rank does, even killed.
         **loader_options: any other ``DataLoader`` option (``pin_memory``, ``prefetch_factor``, ...).
 
     Returns:
@@ -158,6 +159,7 @@ def streaming_loader(
     collate_fn: Callable[[list[Any]], Any] = default_collate,
     num_workers: int = 0,
     lookahead: int = 1,
+    on_error: str = "raise",
     **loader_options: Any,
 ) -> DistributedStreamingBatches:
     """Drop-last-free, resumable batches of a sharded stream for this rank, for ``train_dataloader()``.
@@ -187,9 +189,15 @@ def streaming_loader(
         seed: the base seed of the shard order; the same on every rank.
         collate_fn: collates a non-empty list of samples.
         num_workers: DataLoader worker processes per rank, started with ``forkserver`` (workers
-            forked from a process in a gloo group were seen to hang) and new each epoch.
+            forked from a process in a gloo group were seen to hang) and new each epoch; they and
+            the forkserver exit when their rank does, even killed.
         lookahead: batches fetched per agreement between the ranks (see
             :class:`~contrastive_dist.DistributedStreamingBatches`).
+        on_error: what an unreadable shard or sample does (see
+            :meth:`~contrastive_dist.DistributedShardList.pipeline`): ``"raise"`` stops every rank
+            with the same ``RuntimeError``, naming the rank, the shard and the original error;
+            ``"skip"`` skips it with one ``RuntimeWarning`` naming it, and the returned batches'
+            ``skipped()`` counts the skips over every rank.
         **loader_options: any other ``DataLoader`` option (``pin_memory``, ``prefetch_factor``, ...).
 
     Returns:
@@ -198,6 +206,7 @@ def streaming_loader(
     Raises:
         ValueError: the trainer would replace the sampler (``use_distributed_sampler=True`` under
             DDP), or an option is out of range.
+        RuntimeError: while iterating, on every rank, when a rank's loader raised (``on_error="raise"``).
         TypeError: an option that this function sets was given, or ``example`` does not collate.
 
     Shape:
@@ -231,7 +240,7 @@ def streaming_loader(
     if num_workers > 0:
         loader_options.setdefault("multiprocessing_context", "forkserver")
     loader = DataLoader(
-        shard_list.pipeline(*stages),
+        shard_list.pipeline(*stages, on_error=on_error),
         batch_size=batch_size,
         collate_fn=collate,
         num_workers=num_workers,

@@ -17,6 +17,7 @@ from typing import Any, cast
 
 from torch.utils.data import DataLoader
 
+from contrastive_dist.data._worker_watch import exit_with_rank
 from contrastive_dist.data.sampler import DistributedBatchSampler
 
 __all__ = ["ResumableLoader"]
@@ -50,6 +51,7 @@ class ResumableLoader(DataLoader):
         if not isinstance(self.batch_sampler, DistributedBatchSampler):
             raise TypeError(f"batch_sampler must be a DistributedBatchSampler, got {type(self.batch_sampler).__name__}")
         self.fixed_epoch_length = fixed_epoch_length
+        exit_with_rank(self)  # its workers end with this process, even one killed
         self._yielded: int | None = None  # batches yielded by the current iteration; None before the first
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator around the DataLoader's iterator

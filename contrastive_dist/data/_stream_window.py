@@ -1,16 +1,19 @@
 """What :class:`~contrastive_dist.DistributedStreamingBatches` exchanges per window, how, and the state it saves.
 
-The row each rank sends per window is ``[held, then per batch slot of the window: rows, slot, shard,
-consumed]`` (int64): how many batches it holds and, per batch, its row count and where its last
-sample was read (-1 where a batch carries no position, or is not held). A field is one more name in
-:data:`BATCH_FIELDS` (or a head field before ``held``): both ends read rows through :class:`WindowRow`.
+The row each rank sends per window is ``[status, held, then per batch slot of the window: rows, slot,
+shard, consumed, skipped]`` (int64): whether its loader failed, how many batches it holds and, per
+batch, its row count, where its last sample was read (-1 where a batch carries no position, or is not
+held) and the unreadable shards and samples skipped before it. A field is one more name in
+:data:`BATCH_FIELDS` or :data:`HEAD_FIELDS`: both ends read rows through :class:`WindowRow`. A
+window in which a rank failed is followed by one more exchange, of the error texts
+(:mod:`~contrastive_dist.data._stream_failure`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -18,13 +21,18 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import is_distributed
+from contrastive_dist.data._shard_pipeline import PositionedBatch
+from contrastive_dist.data._shard_reader import ON_ERROR
 from contrastive_dist.engine._wire import all_gather_single
 
-__all__ = ["BATCH_FIELDS", "WindowRow", "control_device", "count_rows", "decode_state", "encode_state", "gather_rows",
+__all__ = ["BATCH_FIELDS", "HEAD_FIELDS", "NO_POSITION", "StartRow", "WindowRow", "check_shard_state", "check_start",
+           "control_device", "count_rows", "decode_state", "encode_state", "gather_rows", "held_fields",
            "progress_digest"]
 
-BATCH_FIELDS = ("rows", "slot", "shard", "consumed")
+HEAD_FIELDS = ("status", "held")
+BATCH_FIELDS = ("rows", "slot", "shard", "consumed", "skipped")
 NO_POSITION = (-1, -1, -1)
+OK, FAILED = 0, 1
 FORMAT = "contrastive_dist.DistributedStreamingBatches"
 VERSION = 1
 
@@ -36,28 +44,43 @@ class WindowRow:
         self.values = list(values)
 
     @staticmethod
-    def encode(held: Sequence[tuple[int, tuple[int, int, int]]], lookahead: int) -> list[int]:
-        """``held``: per batch ``(rows, (slot, shard, consumed))``, at most ``lookahead`` of them."""
-        row = [len(held)]
-        for rows, position in held:
-            row += [rows, *position]
-        return row + [0, *NO_POSITION] * (lookahead - len(held))
+    def encode(held: Sequence[Sequence[int]], lookahead: int, *, failed: bool = False) -> list[int]:
+        """``held``: per batch its :data:`BATCH_FIELDS`, at most ``lookahead`` of them; ``failed``: it raised."""
+        row = [FAILED if failed else OK, len(held)]
+        for fields in held:
+            row += fields
+        return row + [0, *NO_POSITION, 0] * (lookahead - len(held))
+
+    @property
+    def failed(self) -> bool:
+        return self.values[HEAD_FIELDS.index("status")] == FAILED
 
     @property
     def held(self) -> int:
-        return self.values[0]
+        return self.values[HEAD_FIELDS.index("held")]
+
+    def field(self, offset: int, name: str) -> int:
+        """Field ``name`` of the batch at ``offset`` in the window (its empty value once this rank is out)."""
+        if offset >= self.held:
+            return -1 if name in ("slot", "shard", "consumed") else 0
+        return self.values[len(HEAD_FIELDS) + len(BATCH_FIELDS) * offset + BATCH_FIELDS.index(name)]
 
     def rows(self, offset: int) -> int:
         """Rows of the batch at ``offset`` in the window (0 once this rank is out)."""
-        return self.values[1 + len(BATCH_FIELDS) * offset] if offset < self.held else 0
+        return self.field(offset, "rows")
 
     def position(self, offset: int) -> tuple[int, int, int] | None:
         """``(slot, shard, consumed)`` of the batch at ``offset``; None if it carries none or is not held."""
-        if offset >= self.held:
-            return None
-        start = 2 + len(BATCH_FIELDS) * offset
-        slot, shard, consumed = self.values[start : start + 3]
+        slot, shard, consumed = (self.field(offset, name) for name in ("slot", "shard", "consumed"))
         return None if slot < 0 else (slot, shard, consumed)
+
+
+def held_fields(item: Any, empty_batch: Callable[[], Any], count_rows: Callable[[Any], int]) -> tuple[Any, list[int]]:
+    """A batch from the loader and its :data:`BATCH_FIELDS`; a :class:`PositionedBatch` of skips only is empty."""
+    if isinstance(item, PositionedBatch):
+        batch = empty_batch() if item.batch is None else item.batch
+        return batch, [count_rows(batch), item.slot, item.shard, item.consumed, item.skipped]
+    return item, [count_rows(item), *NO_POSITION, 0]
 
 
 def gather_rows(row: list[int], world_size: int, device: torch.device, group: ProcessGroup | None) -> list[list[int]]:
@@ -68,6 +91,28 @@ def gather_rows(row: list[int], world_size: int, device: torch.device, group: Pr
     table = local.new_empty((world_size, len(row)))
     all_gather_single(table, local, group=group)
     return table.tolist()
+
+
+class StartRow(NamedTuple):
+    """What every rank must agree on as an iteration starts (``on_error``: its index in ``ON_ERROR``)."""
+
+    lookahead: int
+    epoch: int
+    workers: int
+    on_error: int
+    first_step: int
+    progress: int
+
+
+def check_start(row: StartRow, world_size: int, device: torch.device, group: ProcessGroup | None) -> None:
+    """Raise the same ``ValueError`` on every rank if the ranks start an iteration with different :class:`StartRow`."""
+    table = [StartRow(*values) for values in gather_rows(list(row), world_size, device, group)]
+    if len(set(table)) > 1:
+        described = ", ".join(f"rank {rank}: lookahead={start.lookahead} epoch={start.epoch} workers={start.workers} "
+                              f"on_error={ON_ERROR[start.on_error]!r} resumed at step {start.first_step} (progress "
+                              f"{start.progress:x})" for rank, start in enumerate(table))
+        raise ValueError(f"every rank must iterate with the same lookahead, epoch, number of workers, on_error and "
+                         f"resumed state, got {described}")
 
 
 def control_device(group: ProcessGroup | None) -> torch.device:
@@ -99,13 +144,19 @@ def progress_digest(state: Mapping[str, Any] | None) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
 
 
-def encode_state(*, epoch: int, step: int, finished: bool, shards: dict[str, Any] | None) -> dict[str, Any]:
-    """The wrapper's state: the epoch, its steps consumed, whether it is over, and the shard list's progress."""
-    return {"format": FORMAT, "version": VERSION, "epoch": epoch, "step": step, "finished": finished, "shards": shards}
+def encode_state(*, epoch: int, step: int, finished: bool, skipped: int,
+                 shards: dict[str, Any] | None) -> dict[str, Any]:
+    """The wrapper's state: the epoch, its steps consumed, whether it is over, the skips, the shard list's progress."""
+    return {"format": FORMAT, "version": VERSION, "epoch": epoch, "step": step, "finished": finished,
+            "skipped": skipped, "shards": shards}
 
 
-def decode_state(state: object) -> tuple[int, int, bool, Any]:
-    """``(epoch, step, finished, shard state)`` of a state :func:`encode_state` made; ``ValueError`` otherwise."""
+def decode_state(state: object, *, tracked: bool) -> tuple[int, int, bool, int, Any]:
+    """``(epoch, step, finished, skipped, shard state)`` of a state :func:`encode_state` made; else ``ValueError``.
+
+    ``tracked``: the loader's batches say where they were read (a shard pipeline), so a state with
+    shard progress can resume mid-epoch. A state saved before skips were counted loads with none.
+    """
     keys = ("format", "version", "epoch", "step", "finished", "shards")
     if not isinstance(state, Mapping) or any(key not in state for key in keys):
         found = sorted(map(str, state)) if isinstance(state, Mapping) else type(state).__name__
@@ -114,10 +165,27 @@ def decode_state(state: object) -> tuple[int, int, bool, Any]:
     if state["format"] != FORMAT or state["version"] != VERSION:
         raise ValueError(f"cannot resume: expected a stream state of format {FORMAT!r} version {VERSION}, got "
                          f"{state['format']!r} version {state['version']!r}")
-    epoch, step, finished = state["epoch"], state["step"], state["finished"]
-    for name, value in (("epoch", epoch), ("step", step)):
+    epoch, step, finished, skipped = state["epoch"], state["step"], state["finished"], state.get("skipped", 0)
+    for name, value in (("epoch", epoch), ("step", step), ("skipped", skipped)):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
             raise ValueError(f"cannot resume: the stream state's {name!r} must be an int in [0, 2**63), got {value!r}")
     if not isinstance(finished, bool):
         raise ValueError(f"cannot resume: the stream state's 'finished' must be a bool, got {finished!r}")
-    return epoch, step, finished, state["shards"]
+    if state["shards"] is None and step and not finished:
+        raise ValueError("cannot resume mid-epoch: the state was saved from a loader whose batches do not say "
+                         "where in the stream they were read; build its dataset with "
+                         "DistributedShardList.pipeline(...) (streaming_loader does), or resume at an epoch's end")
+    if state["shards"] is not None and not tracked:
+        raise ValueError("cannot resume mid-epoch: the state holds shard progress, but this loader's dataset is "
+                         "not a DistributedShardList.pipeline(...) that could skip what was consumed")
+    return epoch, step, finished, skipped, state["shards"]
+
+
+def check_shard_state(epoch: int, step: int, shards: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` if the loaded shard state does not go with the stream's ``epoch`` and ``step``."""
+    if shards["epoch"] != epoch:
+        raise ValueError(f"cannot resume: the stream state is of epoch {epoch}, its shard state of epoch "
+                         f"{shards['epoch']}")
+    if (step == 0) != all(value == 0 for value in shards["progress"]):
+        raise ValueError(f"cannot resume: the stream state says {step} steps were consumed, its shard "
+                         "progress says otherwise")

@@ -144,7 +144,7 @@ class DistributedShardList(IterableDataset):
             # A shard in progress says how many samples to skip; pipeline() does, a reader of its own must.
             yield {"url": self.shards[index], **({"skip": consumed} if consumed else {})}
 
-    def pipeline(self, *stages: Callable[[Iterator[Any]], Iterator[Any]]) -> IterableDataset:
+    def pipeline(self, *stages: Callable[[Iterator[Any]], Iterator[Any]], on_error: str = "raise") -> IterableDataset:
         """Return the shard list followed by ``stages``: a dataset whose mid-epoch progress can be saved and resumed.
 
         ``stages[0]`` turns ``{"url": shard}`` dicts into samples that name their shard in
@@ -152,8 +152,17 @@ class DistributedShardList(IterableDataset):
         progress are dropped right after it, before any later stage (decoding) sees them. Use it
         in place of ``webdataset.DataPipeline(shard_list, *stages)`` under a
         :class:`~contrastive_dist.DistributedStreamingBatches`, which then records what was consumed.
+
+        ``on_error`` says what an unreadable shard (missing, empty, not a tar, cut short: anything
+        ``stages[0]`` raises on it) or sample (a later stage raised on it) does: ``"raise"`` a
+        ``RuntimeError`` naming the shard, the DataLoader worker and the rank, chained to the original
+        (under a ``DistributedStreamingBatches``, every rank then raises the same error); ``"skip"``
+        it with one ``RuntimeWarning`` naming it, the rest of a shard at once, and go on
+        (``DistributedStreamingBatches.skipped()`` counts the skips over every rank). A local ``.tar``
+        shard is also checked to end with tar's zero blocks, as ``tarfile`` reads a tar cut inside a
+        header as complete.
         """
-        return ShardPipeline(self, stages)
+        return ShardPipeline(self, stages, on_error=on_error)
 
     def begin_epoch(self, num_workers: int, *, resume: bool) -> EpochShards:
         """Start an iteration in the main process: the loaded state's rest of the epoch, or a fresh epoch."""

@@ -9,11 +9,14 @@ has, so all ranks run the same number of steps and every sample is used once.
 
 Where the agreement runs: DataLoader workers have no process group, so the wrapper runs in the
 main process, where the training loop calls ``next()``. Every ``lookahead`` steps it takes up to
-``lookahead`` batches from the loader and all-gathers one small int64 row per rank: how many
-batches it holds, their row counts, and where in the stream each was read. From that table every
-rank knows, identically, each step's per-rank sizes (``sizes(step)``, to pass as ``sizes=`` to a
-loss, which then skips its own size exchange) and whether the epoch is over (a window in which
-every rank ran out). ``benchmarks/streaming.py`` measures the cost.
+``lookahead`` batches from the loader and all-gathers one small int64 row per rank: whether its
+loader failed, how many batches it holds, their row counts, and where in the stream each was read.
+From that table every rank knows, identically, each step's per-rank sizes (``sizes(step)``, to pass
+as ``sizes=`` to a loss, which then skips its own size exchange), whether the epoch is over (a
+window in which every rank ran out), and whether a loader raised: then every rank raises the same
+``RuntimeError``, naming the rank and its error (an unreadable shard: which one, read by which
+worker), within the step; no rank is left waiting in a collective. ``benchmarks/streaming.py``
+measures the cost.
 
 Resuming mid-epoch: over a :meth:`DistributedShardList.pipeline`, each batch says where its last
 sample was read (its worker's slot, shard and samples of that shard), that travels in the row, and
@@ -25,6 +28,7 @@ of the epoch is dealt to the new slots; steps keep their numbers, as Lightning's
 
 DataLoader workers forked from a process that has joined a gloo group were seen to hang at start
 (in C code, some of them); ``multiprocessing_context="forkserver"`` starts them from a clean process.
+The loader's workers end when this process does, even killed (``SIGKILL``), and its forkserver then.
 """
 
 from __future__ import annotations
@@ -33,25 +37,31 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import torch
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import get_world_size, is_distributed
-from contrastive_dist.data._shard_pipeline import PositionedBatch, track_positions
+from contrastive_dist.data._shard_pipeline import track_positions
 from contrastive_dist.data._shard_progress import EpochShards
+from contrastive_dist.data._shard_reader import ON_ERROR
+from contrastive_dist.data._stream_failure import raise_failure
 from contrastive_dist.data._stream_window import (
-    NO_POSITION,
+    StartRow,
     WindowRow,
+    check_shard_state,
+    check_start,
     control_device,
     count_rows,
     decode_state,
     encode_state,
     gather_rows,
+    held_fields,
     progress_digest,
 )
+from contrastive_dist.data._worker_watch import exit_with_rank, stop_workers
 
 __all__ = ["DistributedStreamingBatches"]
 
+_END = object()
 _KEEP_SIZES = 64  # steps of sizes kept behind the newest known one (trainers fetch a batch or two ahead)
 
 
@@ -125,6 +135,7 @@ class DistributedStreamingBatches:
                 f"{type(error).__name__}: {error}. Use collate_fn=EmptySafeCollate([example_sample])"
             ) from error
         self.pipeline = track_positions(loader)
+        exit_with_rank(loader)  # its workers end with this process, even one killed
         self.loader = loader
         self.empty_batch = empty_batch
         self.lookahead = lookahead
@@ -136,7 +147,7 @@ class DistributedStreamingBatches:
         self._restart()
 
     def _restart(self) -> None:
-        self._first_step, self._steps_done, self._finished = 0, 0, False
+        self._first_step, self._steps_done, self._finished, self._skipped = 0, 0, False, 0
         self._pending = False  # a loaded state waits for the next iteration
         self._tracked = self.pipeline is not None  # every batch so far said where it was read
 
@@ -177,24 +188,33 @@ class DistributedStreamingBatches:
         workers = getattr(self.loader, "num_workers", 0)
         shards = self.pipeline.shard_list.begin_epoch(workers, resume=resume) if self.pipeline is not None else None
         start = self.pipeline.shard_list.state_dict() if self.pipeline is not None and resume else None
-        self._check_agreement(world_size, device, [max(1, workers), self._first_step, progress_digest(start)])
-        local = iter(()) if finished else iter(self.loader)  # after begin_epoch: workers take its plan
-        buffered: deque[tuple[Any, tuple[int, int, int]]] = deque()
-        unapplied: deque[list[tuple[int, int, int] | None]] = deque()
+        on_error = self.pipeline.on_error if self.pipeline is not None else "raise"
+        if is_distributed(self.group):
+            check_start(StartRow(self.lookahead, self.epoch, max(1, workers), ON_ERROR.index(on_error),
+                                 self._first_step, progress_digest(start)), world_size, device, self.group)
+        local: Iterator[Any] | None = iter(()) if finished else None  # started at the first fetch
+        buffered: deque[tuple[Any, list[int]]] = deque()
+        unapplied: deque[list[list[int]]] = deque()
         exhausted, step = False, self._first_step
         while True:
-            while not exhausted and len(buffered) < self.lookahead:
-                try:
-                    item = next(local)
-                except StopIteration:
-                    exhausted = True
-                    continue
-                if isinstance(item, PositionedBatch):
-                    buffered.append((item.batch, (item.slot, item.shard, item.consumed)))
-                else:
-                    buffered.append((item, NO_POSITION))
-            row = WindowRow.encode([(self.count_rows(batch), position) for batch, position in buffered], self.lookahead)
-            table = [WindowRow(values) for values in self._gather(row, world_size, device)]
+            failure = None
+            try:  # whatever the loader raises is sent in the exchange: every rank then raises it
+                local = iter(self.loader) if local is None else local  # after begin_epoch: workers take its plan
+                while not exhausted and len(buffered) < self.lookahead:
+                    item = next(local, _END)
+                    if item is _END:
+                        exhausted = True
+                    else:
+                        buffered.append(held_fields(item, self.empty_batch, self.count_rows))
+            except Exception as error:  # noqa: BLE001 - any exception of the loader, to every rank below
+                failure = error
+            row = WindowRow.encode([fields for _, fields in buffered], self.lookahead, failed=failure is not None)
+            table = [WindowRow(values) for values in gather_rows(row, world_size, device, self.group)]
+            if any(rank_row.failed for rank_row in table):
+                stop_workers(local)  # now: the error raised next holds the loader's frames, and its workers, alive
+                local = None
+                raise_failure(table, failure, step=step, epoch=self.epoch, world_size=world_size, device=device,
+                              group=self.group)
             window = max(rank_row.held for rank_row in table)
             for offset in range(window):
                 self._sizes[step] = tuple(rank_row.rows(offset) for rank_row in table)
@@ -202,7 +222,8 @@ class DistributedStreamingBatches:
                 # This rank holds exactly its table[rank].held batches of the window; then it is out.
                 batch = buffered.popleft()[0] if buffered else self.empty_batch()
                 step += 1
-                unapplied.append([rank_row.position(offset) for rank_row in table if offset < rank_row.held])
+                unapplied.append([[rank_row.field(offset, name) for name in ("slot", "shard", "consumed", "skipped")]
+                                  for rank_row in table if offset < rank_row.held])
                 while len(unapplied) > self.caller_prefetch:  # what the caller holds ahead is not consumed yet
                     self._consume(shards, unapplied.popleft())
                 yield batch
@@ -214,14 +235,23 @@ class DistributedStreamingBatches:
             shards.finish()
         self._finished = True
 
-    def _consume(self, shards: EpochShards | None, positions: list[tuple[int, int, int] | None]) -> None:
-        """One more step consumed: each rank's batch of it moves its worker's slot on."""
+    def _consume(self, shards: EpochShards | None, batches: list[list[int]]) -> None:
+        """One more step consumed: each rank's batch of it moves its worker's slot on, and counts its skips."""
         self._steps_done += 1
-        for position in positions:
-            if position is None or shards is None:
+        for slot, shard, consumed, skipped in batches:
+            self._skipped += skipped
+            if slot < 0 or shards is None:
                 self._tracked = False
             else:
-                shards.record(*position)
+                shards.record(slot, shard, consumed)
+
+    def skipped(self) -> int:
+        """Unreadable shards and samples skipped (``on_error="skip"``) in the steps consumed this epoch, on every rank.
+
+        The same number on every rank; a resumed epoch counts on from its state. Each skip was
+        warned about where it happened (a ``RuntimeWarning`` naming the shard, in that rank's log).
+        """
+        return self._skipped
 
     def state_dict(self) -> dict[str, Any]:
         """Where the epoch stands: its steps consumed and, over a shard pipeline, every shard's progress.
@@ -230,7 +260,8 @@ class DistributedStreamingBatches:
         state resumes only at an epoch's start or end (``load_state_dict`` refuses it otherwise).
         """
         shards = self.pipeline.shard_list.state_dict() if self.pipeline is not None and self._tracked else None
-        return encode_state(epoch=self.epoch, step=self._steps_done, finished=self._finished, shards=shards)
+        return encode_state(epoch=self.epoch, step=self._steps_done, finished=self._finished, skipped=self._skipped,
+                            shards=shards)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue the saved epoch at the next ``iter()``, on this layout; steps keep their numbers.
@@ -239,39 +270,14 @@ class DistributedStreamingBatches:
             ValueError: the state cannot be honoured here (another shard list, seed or ``shuffle``;
                 a mid-epoch state without shard progress; not a state :meth:`state_dict` made).
         """
-        epoch, step, finished, shards = decode_state(state_dict)
-        if shards is None and step and not finished:
-            raise ValueError("cannot resume mid-epoch: the state was saved from a loader whose batches do not say "
-                             "where in the stream they were read; build its dataset with "
-                             "DistributedShardList.pipeline(...) (streaming_loader does), or resume at an epoch's end")
-        if shards is not None and self.pipeline is None:
-            raise ValueError("cannot resume mid-epoch: the state holds shard progress, but this loader's dataset is "
-                             "not a DistributedShardList.pipeline(...) that could skip what was consumed")
+        epoch, step, finished, skipped, shards = decode_state(state_dict, tracked=self.pipeline is not None)
         self.set_epoch(epoch)
         if shards is not None:
-            assert self.pipeline is not None  # narrowed above
+            assert self.pipeline is not None  # checked by decode_state
             self.pipeline.shard_list.load_state_dict(shards)
-            if self.pipeline.shard_list.epoch != epoch:
-                raise ValueError(f"cannot resume: the stream state is of epoch {epoch}, its shard state of epoch "
-                                 f"{self.pipeline.shard_list.epoch}")
-            if (step == 0) != all(value == 0 for value in shards["progress"]):
-                raise ValueError(f"cannot resume: the stream state says {step} steps were consumed, its shard "
-                                 "progress says otherwise")
+            check_shard_state(epoch, step, self.pipeline.shard_list.state_dict())
         self._first_step, self._steps_done, self._finished, self._pending = step, step, finished, True
-
-    def _gather(self, row: list[int], world_size: int, device: torch.device) -> list[list[int]]:
-        return gather_rows(row, world_size, device, self.group)
-
-    def _check_agreement(self, world_size: int, device: torch.device, resume: list[int]) -> None:
-        """Raise on every rank if the ranks disagree on ``lookahead``, the epoch or what they resume."""
-        if not is_distributed(self.group):
-            return
-        table = self._gather([self.lookahead, self.epoch, *resume], world_size, device)
-        if len({tuple(row) for row in table}) > 1:
-            described = ", ".join(f"rank {rank}: lookahead={row[0]} epoch={row[1]} workers={row[2]} "
-                                  f"resumed at step {row[3]} (progress {row[4]:x})" for rank, row in enumerate(table))
-            raise ValueError(f"every rank must iterate with the same lookahead, epoch, number of workers and "
-                             f"resumed state, got {described}")
+        self._skipped = skipped
 
 
 class _EmptyFromCollate:
