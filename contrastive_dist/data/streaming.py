@@ -188,7 +188,7 @@ class DistributedStreamingBatches:
         if world_size == 1:
             return local.tolist()
         table = local.new_empty((world_size, len(row)))
-        all_gather_single(table, local, group=self.group)
+        all_gather_single(table, local, group=self.group, operation="streaming step sizes")
         return table.tolist()
 
     def _check_agreement(self, world_size: int, device: torch.device) -> None:
