@@ -103,9 +103,9 @@ def test_invalid_construction_and_keys_raise() -> None:
 
 GOOD_STATE = {"memory": torch.arange(16.0).view(4, 4), "count": torch.tensor(3)}
 BAD_STATES = {
-    "a larger queue": ({"memory": torch.zeros(5, 4)}, r"torch.float32 of shape \(4, 4\).*got torch.float32 of shape \(5, 4\)"),
-    "another dim": ({"memory": torch.zeros(4, 3)}, r"shape \(4, 4\) for this queue \(size=4, dim=4\), got .* \(4, 3\)"),
-    "another dtype": ({"memory": torch.zeros(4, 4, dtype=torch.float64)}, r"must be torch.float32 .* got torch.float64"),
+    "a larger queue": ({"memory": torch.zeros(5, 4)}, r"float32 of shape \(4, 4\).*got torch.float32 of shape \(5, 4"),
+    "another dim": ({"memory": torch.zeros(4, 3)}, r"\(4, 4\) for this queue \(size=4, dim=4\), got .* \(4, 3\)"),
+    "another dtype": ({"memory": torch.zeros(4, 4, dtype=torch.float64)}, r"be torch.float32 .* got torch.float64"),
     "count too large": ({"count": torch.tensor(9)}, r"count must be one integer in \[0, 4\], got 9"),
     "negative count": ({"count": torch.tensor(-1)}, r"in \[0, 4\], got -1"),
     "fractional count": ({"count": torch.tensor(2.5)}, r"in \[0, 4\], got 2.5"),
@@ -145,7 +145,7 @@ def test_non_finite_keys_are_refused_in_one_process() -> None:
     queue.enqueue(torch.ones(1, 2))
     for keys in (torch.tensor([[0.0, float("nan")]]), torch.tensor([[float("-inf"), 1.0]]),
                  torch.tensor([[1e300, 0.0]], dtype=torch.float64)):  # finite in float64, inf as float32
-        with pytest.raises(ValueError, match=r"keys must be finite, got NaN or infinite values in the keys of rank\(s\) \[0\]"):
+        with pytest.raises(ValueError, match=r"finite, got NaN or infinite values in the keys of rank\(s\) \[0"):
             queue.enqueue(keys)
     assert len(queue) == 1 and torch.equal(queue.negatives.keys, torch.ones(1, 2))
 
