@@ -84,6 +84,7 @@ def all_reduce(tensor: Tensor, group: ProcessGroup | None = None, *, operation: 
     with naming_peers(operation, group):
         settled(lambda views: dist.all_reduce(views[0], op=dist.ReduceOp.SUM, group=group), (tensor,))
 
+
 # gloo and NCCL have no bool reduction; bool rows travel as uint8 (same bytes).
 _WIRE_DTYPE = {torch.bool: torch.uint8}
 
@@ -135,7 +136,10 @@ def gather_rows(x: Tensor, sizes: Sequence[int], rank: int, group: ProcessGroup 
         with naming_peers("gather", group):
             settled(
                 lambda views: dist.all_to_all_single(
-                    views[0], views[1], output_split_sizes=list(sizes), input_split_sizes=[sizes[rank]] * world_size,
+                    views[0],
+                    views[1],
+                    output_split_sizes=list(sizes),
+                    input_split_sizes=[sizes[rank]] * world_size,
                     group=group,
                 ),
                 (out, send),
