@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import is_distributed
 from contrastive_dist._validation import check_pair, validated_on_all_ranks
+from contrastive_dist.engine._wire import all_reduce
 from contrastive_dist.engine.gather import all_gather_many
 
 __all__ = ["retrieval_accuracy"]
@@ -70,7 +70,7 @@ def retrieval_accuracy(
         )
     )
     if is_distributed(group):
-        dist.all_reduce(hits, group=group)
+        all_reduce(hits, group, operation="retrieval_accuracy (sum of the hits)")
     accuracy = hits.to(torch.float64) / sum(gathered.sizes)
     names = [f"image_to_text_r{k}" for k in ks] + [f"text_to_image_r{k}" for k in ks]
     return {name: value.to(image_features.dtype) for name, value in zip(names, accuracy, strict=True)}
