@@ -18,6 +18,12 @@ file, or the script being run — not in ``python -c``, ``python -`` (stdin) or 
 session, and not a lambda or a nested function. Both entry points check this up front and
 raise a ``ValueError`` that says so, instead of a worker dying with the cause in its stderr.
 A script that starts processes must guard its entry point with ``if __name__ == "__main__":``.
+
+Faults: when a worker dies in the middle of a call, :meth:`WorkerPool.run` waits up to 15 s for the
+others, which usually fail with a :class:`~contrastive_dist.PeerFailureError` naming it, and reports
+what every rank saw. Shutdown: :meth:`WorkerPool.close` tells each worker to leave its loop, destroy
+its process group and return, so that it exits normally (and is killed only if it does not); the
+package's collectives hold no tensor past their return, so that exit is safe (``engine/_settle``).
 """
 
 from __future__ import annotations
