@@ -23,6 +23,7 @@ from contrastive_dist.data.shards import DistributedShardList
 from contrastive_dist.data.streaming import DistributedStreamingBatches
 from contrastive_dist.engine import collectives as _collectives
 from contrastive_dist.engine import gather as _gather
+from contrastive_dist.engine._faults import PeerFailureError
 from contrastive_dist.engine.collectives import copy_to_group, gather_from_group, reduce_from_group, scatter_to_group
 from contrastive_dist.engine.gather import Gathered, GatheredMany, all_gather, all_gather_many
 from contrastive_dist.losses import (
@@ -84,6 +85,7 @@ __all__ = [
     "DistributedShardList",
     "DistributedStreamingBatches",
     "EmptySafeCollate",
+    "PeerFailureError",
 ]
 
 __version__ = "0.1.0"

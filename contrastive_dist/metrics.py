@@ -6,13 +6,13 @@ from collections.abc import Sequence
 from typing import cast
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import is_distributed
 from contrastive_dist._validation import check_pair, collect
 from contrastive_dist.engine._agreement import agree
+from contrastive_dist.engine._wire import all_reduce
 from contrastive_dist.engine.gather import gather_agreed
 
 __all__ = ["retrieval_accuracy"]
@@ -78,7 +78,7 @@ def retrieval_accuracy(
         )
     )
     if is_distributed(group):
-        dist.all_reduce(hits, group=group)
+        all_reduce(hits, group, operation="retrieval_accuracy (sum of the hits)")
     accuracy = hits.to(torch.float64) / sum(gathered.sizes)
     names = [f"image_to_text_r{k}" for k in ks] + [f"text_to_image_r{k}" for k in ks]
     return {name: value.to(image_features.dtype) for name, value in zip(names, accuracy, strict=True)}

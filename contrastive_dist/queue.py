@@ -26,7 +26,9 @@ class DistributedMemoryQueue(nn.Module):
 
     The keys live in buffers (``memory``, newest first, and ``count``, how many are filled), so a
     DDP or Lightning checkpoint carries the queue, and ``state_dict`` / ``load_state_dict`` resume
-    it exactly. Being the same on every rank, the buffers are unaffected by DDP's buffer broadcast.
+    it exactly; ``load_state_dict`` refuses, with a ``ValueError`` that says what was expected, a saved
+    memory of another shape or dtype, a count that is not an integer in ``[0, size]``, and NaN or
+    infinite keys. Being the same on every rank, the buffers are unaffected by DDP's buffer broadcast.
     The keys are stored on the buffers' device: move the queue with the model (``.to(device)``), so
     that the gather runs where the backend expects it (GPU tensors under NCCL).
 
@@ -93,8 +95,8 @@ class DistributedMemoryQueue(nn.Module):
         """Push every rank's ``keys`` (detached), gathered in rank order; call on every rank each step.
 
         Raises:
-            ValueError / TypeError: on every rank, when a rank's keys are not ``(n_r, dim)`` floats or
-                the ranks' queues disagree on ``dim``.
+            ValueError / TypeError: on every rank, when a rank's keys are not ``(n_r, dim)`` floats, hold
+                NaN or infinite values, or the ranks' queues disagree on ``dim``.
         """
         try:
             if not isinstance(keys, Tensor):
@@ -106,7 +108,17 @@ class DistributedMemoryQueue(nn.Module):
         except (ValueError, TypeError) as error:
             raise_on_all_ranks(error, (keys,), group=self.group)
         local = keys.detach().to(dtype=self.memory.dtype, device=self.memory.device)
-        pushed = all_gather(local, group=self.group).tensor  # a width that differs by rank raises here
+        gathered = all_gather(local, group=self.group)  # a width that differs by rank raises here
+        pushed = gathered.tensor
+        # Checked on the gathered rows, which every rank holds alike: all refuse them together,
+        # with no exchange of their own (after the cast: a float64 key too large for float32 is inf).
+        finite = torch.isfinite(pushed).all(1)
+        if not bool(finite.all()):
+            owners = _owners(gathered.sizes, (~finite).nonzero().flatten().tolist())
+            raise ValueError(
+                f"enqueue: keys must be finite, got NaN or infinite values in the keys of rank(s) {owners} "
+                f"(as {self.memory.dtype}); the queue is unchanged on every rank"
+            )
         newest_first = pushed.flip(0)[: self.size]
         kept = min(int(self.count), self.size - newest_first.shape[0])
         # Older keys move down by the number pushed (a copy: source and target overlap).
@@ -115,11 +127,42 @@ class DistributedMemoryQueue(nn.Module):
         self.count.fill_(newest_first.shape[0] + kept)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        count = state_dict.get(prefix + "count")
-        if isinstance(count, Tensor) and count.numel() == 1 and not 0 <= int(count) <= self.size:
-            raise ValueError(f"a saved queue's count must be in [0, {self.size}], got {int(count)}")
+        memory, count = state_dict.get(prefix + "memory"), state_dict.get(prefix + "count")
+        if memory is not None and count is not None:  # a missing key is reported by torch (strict=True)
+            _check_saved_state(memory, count, self.memory)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         """Show size, dim and fill in ``repr``."""
         return f"size={self.size}, dim={self.dim}, count={int(self.count)}"
+
+
+def _owners(sizes: tuple[int, ...], rows: list[int]) -> list[int]:
+    """The ranks that contributed ``rows`` of a gather with ``sizes`` (rank order)."""
+    ends = torch.tensor(sizes).cumsum(0)
+    return sorted({int(torch.searchsorted(ends, row, right=True)) for row in rows})
+
+
+def _check_saved_state(memory: object, count: object, expected: Tensor) -> None:
+    """Refuse a saved queue that this queue cannot hold exactly, saying what was expected.
+
+    Loading would otherwise cast another dtype silently, fail with a bare size mismatch, or carry a
+    NaN into every later loss (the queue's keys are every rank's negatives).
+    """
+    size, dim = expected.shape
+    if not isinstance(memory, Tensor) or not isinstance(count, Tensor):
+        raise TypeError(
+            f"a saved queue holds tensors memory ({size}, {dim}) and count (), got "
+            f"{type(memory).__name__} and {type(count).__name__}"
+        )
+    if memory.shape != expected.shape or memory.dtype != expected.dtype:
+        raise ValueError(
+            f"a saved queue's memory must be {expected.dtype} of shape ({size}, {dim}) for this queue "
+            f"(size={size}, dim={dim}), got {memory.dtype} of shape {tuple(memory.shape)}"
+        )
+    value = count.item() if count.numel() == 1 and not count.is_complex() and count.dtype != torch.bool else None
+    if value is None or value != int(value) or not 0 <= value <= size:
+        shown = count.item() if count.numel() == 1 else f"a tensor of shape {tuple(count.shape)}"
+        raise ValueError(f"a saved queue's count must be one integer in [0, {size}], got {shown}")
+    if not bool(torch.isfinite(memory[: int(value)]).all()):
+        raise ValueError("a saved queue's memory must be finite, got NaN or infinite keys")

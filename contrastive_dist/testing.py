@@ -18,6 +18,12 @@ file, or the script being run — not in ``python -c``, ``python -`` (stdin) or 
 session, and not a lambda or a nested function. Both entry points check this up front and
 raise a ``ValueError`` that says so, instead of a worker dying with the cause in its stderr.
 A script that starts processes must guard its entry point with ``if __name__ == "__main__":``.
+
+Faults: when a worker dies in the middle of a call, :meth:`WorkerPool.run` waits up to 15 s for the
+others, which usually fail with a :class:`~contrastive_dist.PeerFailureError` naming it, and reports
+what every rank saw. Shutdown: :meth:`WorkerPool.close` tells each worker to leave its loop, destroy
+its process group and return, so that it exits normally (and is killed only if it does not); the
+package's collectives hold no tensor past their return, so that exit is safe (``engine/_settle``).
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ __all__ = ["RemoteError", "WorkerPool", "check_importable", "run_distributed"]
 
 _STOP = "stop"
 _READY = b"ready"
+_SURVIVOR_GRACE_S = 15.0
+"""After a worker died, how long the others may take to report (their errors usually name the dead rank)."""
 
 
 class RemoteError(RuntimeError):
@@ -227,10 +235,15 @@ class WorkerPool:
             *args: picklable arguments, the same for every rank.
             timeout: seconds for this call (default: the pool's timeout).
             return_exceptions: put each failed rank's exception in the list instead of
-                raising the first one (lowest rank).
+                raising the first one (lowest rank). Also when a worker died or the call timed
+                out: the dead rank's entry is a :class:`RemoteError` with its exit code, a silent
+                rank's a ``TimeoutError``, the others' what they returned or raised (the pool is
+                closed then), so that a test can check what every rank saw of a fault.
 
         Raises:
             TimeoutError: not every rank answered in time; the pool is closed.
+            RuntimeError: a worker died (the others' errors, reported within a grace of
+                15 s, are in the message); the pool is closed.
             Exception: the exception of the lowest failed rank, with its traceback as a note.
         """
         check_importable(fn)
@@ -243,17 +256,17 @@ class WorkerPool:
         deadline = timeout if timeout is not None else self.timeout
         outcomes: dict[int, tuple[bool, Any]] = {}
         clock_end = time.monotonic() + deadline
+        dead: list[int] = []
         while len(outcomes) < self.world_size:
             remaining = clock_end - time.monotonic()
-            dead = [rank for rank, p in enumerate(self._processes) if not p.is_alive() and rank not in outcomes]
-            if remaining <= 0 or dead:
-                self._broken = True
-                self.close()
-                missing = sorted(set(range(self.world_size)) - set(outcomes))
-                reported = _describe_failures(outcomes)
-                if dead:
-                    raise RuntimeError(f"worker(s) of rank {dead} died (no result from ranks {missing}){reported}")
-                raise TimeoutError(f"ranks {missing} gave no result within {deadline:.0f} s (hang?){reported}")
+            newly_dead = [r for r, p in enumerate(self._processes) if not p.is_alive() and r not in outcomes]
+            if newly_dead and not dead:
+                # The survivors usually fail soon after (a peer vanished): wait a little for their
+                # errors, which say what happened, instead of killing them with the news.
+                clock_end = min(clock_end, time.monotonic() + _SURVIVOR_GRACE_S)
+            dead = sorted(set(dead) | set(newly_dead))
+            if remaining <= 0 or len(outcomes) + len(dead) == self.world_size:
+                return self._end_broken_call(outcomes, dead, deadline, return_exceptions)
             try:
                 rank, blob = self._results.get(timeout=min(remaining, 0.5))
             except queue.Empty:
@@ -261,17 +274,36 @@ class WorkerPool:
             outcomes[rank] = pickle.loads(blob)
         results: list[Any] = []
         for rank in range(self.world_size):
-            ok, value = outcomes[rank]
-            if ok:
-                results.append(value)
-                continue
-            error, text = value
-            if text:
-                error.add_note(f"--- raised on rank {rank} of {self.world_size} ---\n{text}")
-            if not return_exceptions:
-                raise error
-            results.append(error)
+            result = _returned_or_raised(rank, self.world_size, outcomes[rank])
+            if isinstance(result, BaseException) and not outcomes[rank][0] and not return_exceptions:
+                raise result
+            results.append(result)
         return results
+
+    def _end_broken_call(
+        self, outcomes: dict[int, tuple[bool, Any]], dead: list[int], deadline: float, return_exceptions: bool
+    ) -> list[Any]:
+        """A worker died or the call timed out: close the pool; raise, or report every rank's outcome."""
+        self._broken = True
+        self.close()
+        codes = {rank: self._processes[rank].exitcode for rank in dead}
+        if return_exceptions:
+            results: list[Any] = []
+            for rank in range(self.world_size):
+                if rank in outcomes:
+                    results.append(_returned_or_raised(rank, self.world_size, outcomes[rank]))
+                elif rank in dead:
+                    results.append(RemoteError(f"the worker of rank {rank} died (exit code {codes[rank]})"))
+                else:
+                    results.append(TimeoutError(f"rank {rank} gave no result within {deadline:.0f} s"))
+            return results
+        missing = sorted(set(range(self.world_size)) - set(outcomes))
+        reported = _describe_failures(outcomes)
+        if dead:
+            raise RuntimeError(
+                f"worker(s) of rank {dead} died, exit codes {codes} (no result from ranks {missing}){reported}"
+            )
+        raise TimeoutError(f"ranks {missing} gave no result within {deadline:.0f} s (hang?){reported}")
 
     def _wait_until_ready(self) -> None:
         clock_end = time.monotonic() + self._startup_timeout
@@ -306,6 +338,17 @@ class WorkerPool:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _returned_or_raised(rank: int, world_size: int, outcome: tuple[bool, Any]) -> Any:
+    """What ``fn`` returned on ``rank``, or the exception it raised with the rank's traceback as a note."""
+    ok, value = outcome
+    if ok:
+        return value
+    error, text = value
+    if text:
+        error.add_note(f"--- raised on rank {rank} of {world_size} ---\n{text}")
+    return error
 
 
 def _describe_failures(outcomes: dict[int, tuple[bool, Any]]) -> str:

@@ -17,6 +17,7 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 from torchvision.models import resnet18
@@ -209,6 +211,8 @@ def training_flags(parser: argparse.ArgumentParser, *, batch_size: int, lr: floa
     launch.add_argument("--num-nodes", type=int, default=None, help="machines; set MASTER_ADDR, MASTER_PORT, "
                         "NODE_RANK on each (default 1, or from torchrun)")
     launch.add_argument("--strategy", default="ddp", help="Lightning strategy (ddp: gloo on CPU, nccl on GPUs)")
+    launch.add_argument("--timeout", type=float, default=600, help="seconds a rank waits in a collective for a "
+                        "peer that hangs without exiting, then fails (one that exits is reported at once)")
     launch.add_argument("--precision", default="32-true", help="e.g. 32-true, bf16-mixed, 16-mixed")
     train = parser.add_argument_group("training")
     train.add_argument("--max-epochs", type=int, default=-1, help="-1: no epoch limit (use --max-steps)")
@@ -314,6 +318,14 @@ class PlainProgress(Callback):
         print(f"step {trainer.global_step}{total}  {values}  ({time.perf_counter() - self.start:.0f} s)", flush=True)
 
 
+def strategy(args: argparse.Namespace) -> str | DDPStrategy:
+    """``--strategy``; DDP with ``--timeout`` as the process group's bound on a peer that hangs."""
+    if args.strategy in ("ddp", "ddp_spawn"):
+        start_method = "spawn" if args.strategy == "ddp_spawn" else "popen"
+        return DDPStrategy(timeout=timedelta(seconds=args.timeout), start_method=start_method)
+    return args.strategy
+
+
 def make_trainer(args: argparse.Namespace, *, monitor: str, callbacks: Sequence[Callback] = ()) -> L.Trainer:
     """A Trainer with CSV and TensorBoard logs, best/last checkpoints, drop-last-free loading."""
     checkpoints = args.output_dir / "checkpoints"
@@ -321,7 +333,7 @@ def make_trainer(args: argparse.Namespace, *, monitor: str, callbacks: Sequence[
                            auto_insert_metric_name=False, enable_version_counter=False, save_on_train_epoch_end=False)
     interactive = sys.stdout.isatty()
     return L.Trainer(
-        **launch_settings(args), strategy=args.strategy, precision=args.precision, max_epochs=args.max_epochs,
+        **launch_settings(args), strategy=strategy(args), precision=args.precision, max_epochs=args.max_epochs,
         max_steps=args.max_steps, max_time=args.max_time,
         # contrastive_dist.lightning's loaders split every global batch themselves: no padding, no drop.
         use_distributed_sampler=False,

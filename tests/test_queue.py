@@ -99,10 +99,55 @@ def test_invalid_construction_and_keys_raise() -> None:
         queue.enqueue(torch.randn(2, 3))
     with pytest.raises(TypeError, match="floating-point"):
         queue.enqueue(torch.ones(2, 4, dtype=torch.long))
-    with pytest.raises(RuntimeError, match="size mismatch"):
-        queue.load_state_dict(DistributedMemoryQueue(5, 4).state_dict())
-    with pytest.raises(ValueError, match=r"count must be in \[0, 4\], got 9"):
-        queue.load_state_dict({"memory": torch.zeros(4, 4), "count": torch.tensor(9)})
+
+
+GOOD_STATE = {"memory": torch.arange(16.0).view(4, 4), "count": torch.tensor(3)}
+BAD_STATES = {
+    "a larger queue": ({"memory": torch.zeros(5, 4)}, r"float32 of shape \(4, 4\).*got torch.float32 of shape \(5, 4"),
+    "another dim": ({"memory": torch.zeros(4, 3)}, r"\(4, 4\) for this queue \(size=4, dim=4\), got .* \(4, 3\)"),
+    "another dtype": ({"memory": torch.zeros(4, 4, dtype=torch.float64)}, r"be torch.float32 .* got torch.float64"),
+    "count too large": ({"count": torch.tensor(9)}, r"count must be one integer in \[0, 4\], got 9"),
+    "negative count": ({"count": torch.tensor(-1)}, r"in \[0, 4\], got -1"),
+    "fractional count": ({"count": torch.tensor(2.5)}, r"in \[0, 4\], got 2.5"),
+    "count of two values": ({"count": torch.tensor([1, 2])}, r"got a tensor of shape \(2,\)"),
+    "NaN key": ({"memory": GOOD_STATE["memory"].clone().index_fill_(0, torch.tensor([2]), float("nan"))},
+                "must be finite"),
+    "infinite key": ({"memory": GOOD_STATE["memory"].clone().index_fill_(0, torch.tensor([0]), float("inf"))},
+                     "must be finite"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_STATES))
+def test_a_saved_state_it_cannot_hold_exactly_is_refused_and_leaves_the_queue_as_it_was(case: str) -> None:
+    change, message = BAD_STATES[case]
+    queue = DistributedMemoryQueue(4, 4)
+    queue.load_state_dict(GOOD_STATE)
+    before = {name: value.clone() for name, value in queue.state_dict().items()}
+    with pytest.raises(ValueError, match=message):
+        queue.load_state_dict({**GOOD_STATE, **change})
+    assert all(torch.equal(queue.state_dict()[name], value) for name, value in before.items())
+
+
+def test_what_a_saved_state_may_hold() -> None:
+    queue = DistributedMemoryQueue(4, 4)
+    # An integral float count is exact; NaN beyond the count is never read (the unfilled rows).
+    unused_nan = GOOD_STATE["memory"].clone().index_fill_(0, torch.tensor([3]), float("nan"))
+    queue.load_state_dict({"memory": unused_nan, "count": torch.tensor(3.0)})
+    assert len(queue) == 3 and torch.equal(queue.negatives.keys, GOOD_STATE["memory"][:3])
+    with pytest.raises(TypeError, match="holds tensors memory"):
+        queue.load_state_dict({"memory": GOOD_STATE["memory"], "count": 3})  # type: ignore[dict-item]
+    with pytest.raises(RuntimeError, match="Missing key"):  # torch's own strict check
+        queue.load_state_dict({"memory": GOOD_STATE["memory"]})
+
+
+def test_non_finite_keys_are_refused_in_one_process() -> None:
+    queue = DistributedMemoryQueue(4, 2)
+    queue.enqueue(torch.ones(1, 2))
+    for keys in (torch.tensor([[0.0, float("nan")]]), torch.tensor([[float("-inf"), 1.0]]),
+                 torch.tensor([[1e300, 0.0]], dtype=torch.float64)):  # finite in float64, inf as float32
+        with pytest.raises(ValueError, match=r"finite, got NaN or infinite values in the keys of rank\(s\) \[0"):
+            queue.enqueue(keys)
+    assert len(queue) == 1 and torch.equal(queue.negatives.keys, torch.ones(1, 2))
 
 
 def _mismatch_on_rank_one(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
@@ -113,6 +158,10 @@ def _mismatch_on_rank_one(rank: int, world_size: int) -> dict[str, tuple[str, st
         ),
         # Rank 1 passes keys that do not fit its queue.
         "keys shape": lambda: DistributedMemoryQueue(SIZE, DIM).enqueue(torch.randn(2, DIM + 1 if rank == 1 else DIM)),
+        # Rank 2's second key is NaN: every rank holds the gathered rows and refuses them alike.
+        "NaN key": lambda: DistributedMemoryQueue(SIZE, DIM).enqueue(
+            torch.randn(2, DIM).index_fill_(0, torch.tensor([1]), float("nan") if rank == 2 else 0.0)
+        ),
     }
     outcome = error_outcomes(checks)
     queue = DistributedMemoryQueue(SIZE, DIM)
@@ -128,6 +177,8 @@ def test_dim_mismatch_raises_on_every_rank(pool: Callable[[int], WorkerPool]) ->
         assert outcome["after"] == ("count", "3")
         assert outcome["queue dim"][0] == "ValueError" and "do not agree" in outcome["queue dim"][1], outcome
         assert outcome["keys shape"][0] == "ValueError" and "(on rank 1;" in outcome["keys shape"][1], outcome
+        assert outcome["NaN key"] == ("ValueError", per_rank[0]["NaN key"][1]), outcome
+        assert "keys of rank(s) [2]" in outcome["NaN key"][1], outcome
 
 
 class _MoCoLike(torch.nn.Module):

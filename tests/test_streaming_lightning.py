@@ -2,6 +2,12 @@
 
 Webdataset shards of uneven sizes; the rank that runs out trains on empty batches; the weights after
 2 epochs equal a one-process float64 run over the same global batches.
+
+The ddp_spawn children end as Lightning ends them (``destroy_process_group`` at exit, then a normal
+interpreter exit). A child once aborted there ("terminate called without an active exception"), as
+a process does when gloo frees a collective's tensors on its worker thread, a moment after the call,
+while the interpreter finalizes; the stream's exchange is among the last collectives of an epoch. The
+package's collectives now return only once gloo has let go of their tensors (``engine/_settle.py``).
 """
 
 from __future__ import annotations

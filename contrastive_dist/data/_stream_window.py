@@ -89,7 +89,7 @@ def gather_rows(row: list[int], world_size: int, device: torch.device, group: Pr
     if world_size == 1:
         return local.tolist()
     table = local.new_empty((world_size, len(row)))
-    all_gather_single(table, local, group=group)
+    all_gather_single(table, local, group=group, operation="stream lookahead exchange")
     return table.tolist()
 
 

@@ -40,6 +40,7 @@ from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import get_rank, get_world_size, start_offset
 from contrastive_dist._validation import Problem, sizes_problem
+from contrastive_dist.engine._faults import naming_peers
 from contrastive_dist.engine._wire import all_gather_single
 
 __all__ = ["DEBUG_VARIABLE", "Layout", "Problem", "agree", "debug_checks", "describe", "local_problem", "signature"]
@@ -223,7 +224,9 @@ def agree(
         _float_bits(float(total)) if total is not None else 0,
     ]
     table = torch.empty((world_size, _FIELDS), dtype=torch.int64, device=_device(tensors, group))
-    all_gather_single(table, torch.tensor([local], dtype=torch.int64, device=table.device), group=group)
+    all_gather_single(
+        table, torch.tensor([local], dtype=torch.int64, device=table.device), group=group, operation="agreement"
+    )
     everyone = table.tolist()
     agreed_sizes = tuple(int(row[_ROWS]) for row in everyone)
     # Every rank decides alike: the same table everywhere, and equal digests mean equal given sizes.
@@ -300,7 +303,8 @@ def _raise_everywhere(
         "options": dict(options or {}),
     }
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, mine, group=group)
+    with naming_peers("agreement (exchange of the error descriptions)", group):
+        dist.all_gather_object(gathered, mine, group=group)
     failing = [rank for rank, entry in enumerate(gathered) if entry["kind"]]
     lines = [f"  rank {rank}: {'ERROR ' if entry['kind'] else ''}{entry['text']}"
              for rank, entry in enumerate(gathered)]

@@ -30,21 +30,34 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from contrastive_dist.engine._faults import naming_peers
+
 __all__ = ["Ring", "circulate"]
 
 Block = tuple[Tensor, ...]
 
 
 class _Pending:
-    """The works of one ``batch_isend_irecv``; :meth:`wait` before touching their buffers."""
+    """The works of one ``batch_isend_irecv``; :meth:`wait` before touching their buffers.
 
-    def __init__(self, works: list[dist.Work], buffers: Sequence[Tensor]) -> None:
+    ``peers`` holds, per work, the rank it talks to and which way, so that a failed wait names it.
+    """
+
+    def __init__(
+        self, works: list[dist.Work], buffers: Sequence[Tensor], peers: list[tuple[int, str]], ring: Ring, step: str
+    ) -> None:
         self._works = works
         self._buffers = buffers  # alive until waited on, whatever the caller drops
+        self._peers, self._ring, self._step = peers, ring, step
 
     def wait(self) -> None:
-        for work in self._works:
-            work.wait()
+        # One work per operation (gloo); a backend that coalesces the batch returns fewer: both neighbours.
+        per_work = len(self._peers) == len(self._works)
+        for index, work in enumerate(self._works):
+            peer, way = self._peers[index] if per_work else (None, "")
+            peers = (peer,) if peer is not None else self._ring.neighbours()
+            with naming_peers(f"{self._step}{way}", self._ring.group, peers=peers):
+                work.wait()
         self._works, self._buffers = [], ()
 
 
@@ -71,27 +84,30 @@ class Ring:
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def shift(self, outgoing: Sequence[Tensor], incoming: Sequence[Tensor]) -> _Pending:
+    def neighbours(self) -> tuple[int, int]:
+        """The previous rank (this one sends to it) and the next (this one receives from it)."""
+        return (self.rank - 1) % self.world_size, (self.rank + 1) % self.world_size
+
+    def shift(self, outgoing: Sequence[Tensor], incoming: Sequence[Tensor], *, step: str = "ring step") -> _Pending:
         """Post sends of ``outgoing`` to the previous rank and receives into ``incoming`` from the next.
 
         Empty tensors are skipped (the other end, knowing the sizes, skips them too). Tags number
-        the messages of one call so that gloo matches them like NCCL does, by order.
+        the messages of one call so that gloo matches them like NCCL does, by order. ``step`` names
+        the hop in the error raised when a neighbour vanished.
         """
-        previous, following = (
-            self._global((self.rank - 1) % self.world_size),
-            self._global((self.rank + 1) % self.world_size),
-        )
-        ops = [
-            dist.P2POp(dist.isend, tensor, previous, self.group, tag)
-            for tag, tensor in enumerate(outgoing)
-            if tensor.numel()
-        ]
-        ops += [
-            dist.P2POp(dist.irecv, tensor, following, self.group, tag)
-            for tag, tensor in enumerate(incoming)
-            if tensor.numel()
-        ]
-        return _Pending(dist.batch_isend_irecv(ops) if ops else [], (*outgoing, *incoming))
+        previous, following = self.neighbours()
+        ops, peers = [], []
+        for kind, tensors, peer, way in (
+            (dist.isend, outgoing, previous, f" (sending to rank {previous})"),
+            (dist.irecv, incoming, following, f" (receiving from rank {following})"),
+        ):
+            for tag, tensor in enumerate(tensors):
+                if tensor.numel():
+                    ops.append(dist.P2POp(kind, tensor, self._global(peer), self.group, tag))
+                    peers.append((peer, way))
+        with naming_peers(step, self.group, peers=self.neighbours()):
+            works = dist.batch_isend_irecv(ops) if ops else []
+        return _Pending(works, (*outgoing, *incoming), peers, self, step)
 
 
 def circulate(
@@ -122,10 +138,11 @@ def circulate(
     accumulator_transfer: _Pending | None = None
     for step in range(ring.world_size):
         last = step == ring.world_size - 1
+        hop = f"ring step {step + 1} of {ring.world_size}"
         if not last:
             # The next block is on its way while this one is used.
             next_block = new_block(ring.owner(step + 1))
-            block_transfer = ring.shift(block, next_block)
+            block_transfer = ring.shift(block, next_block, step=hop)
         if new_accumulator is not None:
             if accumulator_transfer is None:  # the owner starts its block's accumulator
                 accumulator = new_accumulator(ring.owner(step))
@@ -137,7 +154,7 @@ def circulate(
         if accumulator is not None and ring.world_size > 1:
             # It follows its block one hop behind; after the last step it reaches the owner.
             incoming = new_accumulator(ring.owner(step + 1))  # type: ignore[misc]
-            accumulator_transfer = ring.shift((accumulator,), (incoming,))
+            accumulator_transfer = ring.shift((accumulator,), (incoming,), step=f"{hop}, accumulator")
             accumulator = None  # only the transfer holds it now
         if not last:
             block_transfer.wait()

@@ -27,6 +27,12 @@ rank of a group must see the same value (the routes do not interoperate).
 The collective names changed in torch 2.13 (``all_gather_into_tensor`` → ``all_gather_single``,
 ``reduce_scatter_tensor`` → ``reduce_scatter_single``); the installed torch's own names are
 used so that no deprecation warning is raised.
+
+Every collective here is wrapped twice (see ``_faults`` and ``_settle``): a transport failure
+becomes a :class:`~contrastive_dist.engine._faults.PeerFailureError` naming the operation and the
+peer, and a call on CPU tensors returns only once gloo has let go of them, so that no package
+tensor is freed by a gloo thread at interpreter exit. :func:`all_gather_single` and
+:func:`all_reduce` are those wrapped forms of the raw collectives, for the package's other layers.
 """
 
 from __future__ import annotations
@@ -41,14 +47,43 @@ from einops import reduce, repeat
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-__all__ = ["ROUTE_VARIABLE", "all_gather_single", "gather_rows", "gather_rows_with_status", "reduce_scatter_rows"]
+from contrastive_dist.engine._faults import naming_peers
+from contrastive_dist.engine._settle import settled
+
+__all__ = [
+    "ROUTE_VARIABLE",
+    "all_gather_single",
+    "all_reduce",
+    "gather_rows",
+    "gather_rows_with_status",
+    "reduce_scatter_rows",
+]
 
 ROUTE_VARIABLE = "CONTRASTIVE_DIST_ROUTE"
 """Environment variable: ``collective`` forces the accelerator routes for CPU tensors; ``auto`` / unset: by device."""
 _ROUTES = ("auto", "collective")
 
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_single(
+    output: Tensor, input: Tensor, group: ProcessGroup | None = None, *, operation: str = "all-gather"
+) -> None:
+    """Equal-size all-gather of ``input`` into ``output`` (rank order), named on failure, settled.
+
+    Shape:
+        input: ``(n, *rest)`` → output: ``(world_size · n, *rest)``
+    """
+    with naming_peers(operation, group):
+        settled(lambda views: _all_gather_single(views[0], views[1], group=group), (output, input))
+
+
+def all_reduce(tensor: Tensor, group: ProcessGroup | None = None, *, operation: str = "all-reduce") -> None:
+    """Sum ``tensor`` over the ranks, in place, named on failure, settled."""
+    with naming_peers(operation, group):
+        settled(lambda views: dist.all_reduce(views[0], op=dist.ReduceOp.SUM, group=group), (tensor,))
+
 
 # gloo and NCCL have no bool reduction; bool rows travel as uint8 (same bytes).
 _WIRE_DTYPE = {torch.bool: torch.uint8}
@@ -91,27 +126,48 @@ def gather_rows(x: Tensor, sizes: Sequence[int], rank: int, group: ProcessGroup 
     out = wire.new_empty((sum(sizes), *x.shape[1:]))
     if out.numel() == 0:
         pass  # nothing to move (no rows, or rows of zero width), as every rank knows: no collective
-    elif _on_accelerator(x):
-        if min(sizes) == max(sizes):
-            all_gather_single(out, wire, group=group)
-        else:
-            # The same rows for every peer; contiguous, since for one row einops returns a stride-0 view.
-            send = repeat(wire, "n ... -> (peer n) ...", peer=world_size).contiguous()
-            dist.all_to_all_single(
-                out, send, output_split_sizes=list(sizes), input_split_sizes=[sizes[rank]] * world_size, group=group
-            )
+    elif not _on_accelerator(x):
+        settled(lambda views: _broadcast_blocks(views[0], wire, sizes, rank, group), (out,))
+    elif min(sizes) == max(sizes):
+        all_gather_single(out, wire, group=group, operation="gather")
     else:
-        works = []
+        # The same rows for every peer; contiguous, since for one row einops returns a stride-0 view.
+        send = repeat(wire, "n ... -> (peer n) ...", peer=world_size).contiguous()
+        with naming_peers("gather", group):
+            settled(
+                lambda views: dist.all_to_all_single(
+                    views[0],
+                    views[1],
+                    output_split_sizes=list(sizes),
+                    input_split_sizes=[sizes[rank]] * world_size,
+                    group=group,
+                ),
+                (out, send),
+            )
+    return out.view(x.dtype) if out.dtype != x.dtype else out
+
+
+def _broadcast_blocks(out: Tensor, wire: Tensor, sizes: Sequence[int], rank: int, group: ProcessGroup | None) -> None:
+    """gloo: every non-empty rank broadcasts its rows straight into its block of ``out`` (async, then wait).
+
+    The other ranks' broadcasts are waited on first: a failed one names its source, the one rank
+    it talked to (this rank's own broadcast talks to all of them).
+    """
+    works: list[tuple[int, dist.Work]] = []
+    with naming_peers("gather", group):
         for owner, block in enumerate(out.split(list(sizes))):
             if block.shape[0] == 0:
                 continue  # every rank knows the sizes, so all skip the same broadcasts
             if owner == rank:
                 block.copy_(wire)
-            works.append(dist.broadcast(block, src=_global_rank(group, owner), group=group, async_op=True))
-        for work in works:
+            work = dist.broadcast(block, src=_global_rank(group, owner), group=group, async_op=True)
             if work is not None:
-                work.wait()
-    return out.view(x.dtype) if out.dtype != x.dtype else out
+                works.append((owner, work))
+    works.sort(key=lambda pending: pending[0] == rank)  # stable: the others in rank order, this rank's last
+    for owner, work in works:
+        source = "this rank's rows" if owner == rank else f"rank {owner}'s rows"
+        with naming_peers(f"gather (broadcast of {source})", group, peers=None if owner == rank else (owner,)):
+            work.wait()
 
 
 STATUS_OK, STATUS_BAD_ROWS, STATUS_OK_WITH_GRAD = 0, 1, 2
@@ -145,24 +201,39 @@ def gather_rows_with_status(
     # end), is read, and is then overwritten by rank r+1's broadcast: no copy of the data, at the
     # price of broadcasting in order, one at a time.
     out = payload.new_empty((sum(sizes) + 1, *rest))
-    statuses = []
+    statuses: list[int] = []
+    settled(lambda views: _broadcast_in_order(views[0], payload, sizes, rank, group, status, statuses), (out,))
+    data = out[:-1]
+    return (data.view(x.dtype) if data.dtype != x.dtype else data), statuses
+
+
+def _broadcast_in_order(
+    out: Tensor,
+    payload: Tensor,
+    sizes: Sequence[int],
+    rank: int,
+    group: ProcessGroup | None,
+    status: int,
+    statuses: list[int],
+) -> None:
+    """gloo, with statuses: each rank's rows and status row into ``out``, one broadcast after the other."""
     start = 0
     for owner, size in enumerate(sizes):
         block = out[start : start + size + 1]
         if owner == rank:
             block[:size] = payload
             block[size] = status
-        dist.broadcast(block, src=_global_rank(group, owner), group=group)
+        source = "this rank's rows" if owner == rank else f"rank {owner}'s rows"
+        with naming_peers(f"gather (broadcast of {source})", group, peers=None if owner == rank else (owner,)):
+            dist.broadcast(block, src=_global_rank(group, owner), group=group)
         statuses.append(int(block[size].flatten()[0]) if block[size].numel() else STATUS_OK)
         start += size
-    data = out[:-1]
-    return (data.view(x.dtype) if data.dtype != x.dtype else data), statuses
 
 
 def _gather_statuses(status: int, world_size: int, device: torch.device, group: ProcessGroup | None) -> list[int]:
     mine = torch.tensor([status], dtype=torch.int64, device=device)
     everyone = mine.new_empty(world_size)
-    all_gather_single(everyone, mine, group=group)
+    all_gather_single(everyone, mine, group=group, operation="gather (status exchange)")
     return [int(value) for value in everyone.tolist()]
 
 
@@ -195,12 +266,18 @@ def reduce_scatter_rows(grad: Tensor, sizes: Sequence[int], rank: int, group: Pr
     local = sizes[rank]
     if grad.numel() == 0:  # no rows, or rows of zero width: every rank skips the collective alike
         return grad.new_zeros((local, *grad.shape[1:]))
+    operation = "gather backward (reduce-scatter of the gradient rows)"
     if min(sizes) == max(sizes) and _on_accelerator(grad):
         out = grad.new_empty((local, *grad.shape[1:]))
-        _reduce_scatter_single(out, grad, group=group)
+        with naming_peers(operation, group):
+            settled(lambda views: _reduce_scatter_single(views[0], views[1], group=group), (out, grad))
         return out
     received = grad.new_empty((world_size * local, *grad.shape[1:]))
-    dist.all_to_all_single(
-        received, grad, output_split_sizes=[local] * world_size, input_split_sizes=list(sizes), group=group
-    )
+    with naming_peers(operation, group):
+        settled(
+            lambda views: dist.all_to_all_single(
+                views[0], views[1], output_split_sizes=[local] * world_size, input_split_sizes=list(sizes), group=group
+            ),
+            (received, grad),
+        )
     return reduce(received, "(peer n) ... -> n ...", "sum", peer=world_size)

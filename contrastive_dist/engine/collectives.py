@@ -30,12 +30,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import get_rank, get_world_size
+from contrastive_dist.engine._wire import all_reduce
 from contrastive_dist.engine.gather import all_gather
 
 __all__ = ["copy_to_group", "gather_from_group", "reduce_from_group", "scatter_to_group"]
@@ -43,7 +43,7 @@ __all__ = ["copy_to_group", "gather_from_group", "reduce_from_group", "scatter_t
 
 def _all_reduce_sum(x: Tensor, group: ProcessGroup | None) -> Tensor:
     out = x.contiguous().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    all_reduce(out, group, operation="tensor-parallel all-reduce")
     return out
 
 

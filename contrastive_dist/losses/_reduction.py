@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist.engine._agreement import Layout
+from contrastive_dist.engine._wire import all_reduce
 from contrastive_dist.losses._columns import OneBlock
 from contrastive_dist.losses._fused import weighted_pair_sum
 from contrastive_dist.losses._kernel import Pairs
@@ -65,7 +66,7 @@ def all_reduced(value: Tensor, layout: Layout) -> Tensor:
 
         return funcol.all_reduce(value, "sum", cast(ProcessGroup, layout.group or dist.group.WORLD))
     summed = value.clone()
-    dist.all_reduce(summed, group=layout.group)
+    all_reduce(summed, layout.group, operation="loss reduction (all-reduce)")
     return summed
 
 

@@ -33,13 +33,12 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
-from contrastive_dist.engine._wire import all_gather_single
+from contrastive_dist.engine._wire import all_gather_single, all_reduce
 
 __all__ = ["GlobalStats", "global_batch_stats", "normalize_with_global_stats"]
 
@@ -99,9 +98,9 @@ def global_batch_stats(x: Tensor, channels: int, group: ProcessGroup | None, wor
 
     """
     local = _local_moments(x, channels)
-    table = local.new_empty(world_size * local.numel())
-    all_gather_single(table, local, group=group)
-    table = table.view(world_size, -1)
+    table = local.new_empty((world_size, local.numel()))
+    operation = "SyncBatchNorm forward (exchange of the batch statistics)"
+    all_gather_single(table, local.unsqueeze(0), group=group, operation=operation)
     counts, problems = table[:, 0], table[:, 1]
     means, m2s = table[:, 2 : 2 + channels], table[:, 2 + channels :]
     # One host sync reads every decision the ranks must agree on.
@@ -174,7 +173,7 @@ class _NormalizeWithGlobalStats(torch.autograd.Function):
             grad_x = torch.zeros_like(x)
         elif need_x:
             sums = torch.cat([sum_dy, sum_dy_xhat])
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=ctx.group)
+            all_reduce(sums, ctx.group, operation="SyncBatchNorm backward (sum of the gradient statistics)")
             global_dy, global_dy_xhat = sums.chunk(2)
             invstd = (var + ctx.eps).rsqrt()
             scale = invstd if weight is None else weight * invstd
