@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from spawned import launch_ranks
 from torch.utils.data import DataLoader
 
 from contrastive_dist import DistributedShardList, DistributedStreamingBatches, EmptySafeCollate
@@ -172,18 +173,8 @@ def rank_main(rank, store_path, out_dir, raise_cases, skip_shards):
 
 
 def launch(directory: Path, raise_cases: list, skip_shards: list[str], timeout: float) -> list[dict]:
-    context = torch_mp.start_processes(rank_main, args=(str(directory / "store"), str(directory), raise_cases,
-                                                        skip_shards), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {WORLD} ranks did not finish within {timeout} s (hang?)")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    return [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    args = (str(directory / "store"), str(directory), raise_cases, skip_shards)
+    return launch_ranks(rank_main, args, WORLD, directory, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
+from spawned import launch_ranks
 from torch.utils.data import DataLoader
 
 from contrastive_dist import DistributedShardList, DistributedStreamingBatches, EmptySafeCollate, all_gather
@@ -115,19 +116,7 @@ def rank_main(rank, store_path, out_dir, scenarios):
 
 
 def launch(tmp_path: Path, scenarios: list[dict], timeout: float) -> list[dict]:
-    context = torch_mp.start_processes(
-        rank_main, args=(str(tmp_path / "store"), str(tmp_path), scenarios), nprocs=WORLD, join=False
-    )
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {WORLD} ranks did not finish within {timeout} s (hang?)")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    return launch_ranks(rank_main, (str(tmp_path / "store"), str(tmp_path), scenarios), WORLD, tmp_path, timeout)
 
 
 @pytest.mark.timeout(400)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from spawned import launch_ranks
 from torch.utils.data import DataLoader
 
 from contrastive_dist import DistributedShardList, DistributedStreamingBatches, EmptySafeCollate
@@ -120,18 +121,7 @@ def rank_main(rank, world_size, store_path, out_dir, segments):
 def launch(tmp_path: Path, world_size: int, segments: list, timeout: float) -> list[dict]:
     out = tmp_path / f"launch{world_size}-{time.monotonic_ns()}"
     out.mkdir()
-    context = torch_mp.start_processes(rank_main, args=(world_size, str(out / "store"), str(out), segments),
-                                       nprocs=world_size, join=False)
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {world_size} ranks did not finish within {timeout} s (hang?)")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+    return launch_ranks(rank_main, (world_size, str(out / "store"), str(out), segments), world_size, out, timeout)
 
 
 def consumed(ranks: list[dict], name: str) -> list[int]:

@@ -19,6 +19,7 @@ __all__ = [
     "Communication",
     "Reduction",
     "SameId",
+    "agreed_options",
     "check_bool",
     "check_chunk_size",
     "check_communication",
@@ -34,6 +35,36 @@ __all__ = [
 
 Communication = Literal["gather", "ring"]
 Reduction = Literal["mean", "none"]
+
+
+def agreed_options(
+    *,
+    chunk_size: object,
+    communication: object,
+    reduction: object,
+    weight: object,
+    temperature: object = None,
+    logit_scale: object = None,
+    **own: object,
+) -> dict[str, object]:
+    """The options every rank must share, in the form the agreement compares: the common ones, then ``own``.
+
+    ``temperature`` is compared only where ``logit_scale`` is not given (a scale tensor replaces it);
+    ``weight`` by whether one is given (its values are per row, like the features).
+
+    Example:
+        >>> agreed_options(chunk_size=None, communication="ring", reduction="mean", weight=None, temperature=0.1)
+        {'chunk_size': None, 'communication': 'ring', 'reduction': 'mean', 'weight': False, 'temperature': 0.1}
+    """
+    options: dict[str, object] = {
+        "chunk_size": chunk_size,
+        "communication": communication,
+        "reduction": reduction,
+        "weight": weight is not None,
+    }
+    if temperature is not None:
+        options["temperature"] = temperature if logit_scale is None else "logit_scale"
+    return options | own
 
 
 def check_communication(communication: object) -> Communication:

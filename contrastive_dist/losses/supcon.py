@@ -18,6 +18,7 @@ from contrastive_dist.losses._module import TemperatureLoss
 from contrastive_dist.losses._options import (
     Communication,
     Reduction,
+    agreed_options,
     check_chunk_size,
     check_communication,
     check_reduction,
@@ -139,13 +140,14 @@ def supcon(
         problem=problem,
         group=group,
         operation="supcon",
-        options={
-            "temperature": temperature if logit_scale is None else "logit_scale",
-            "chunk_size": chunk_size,
-            "communication": communication,
-            "reduction": reduction,
-            "weight": weight is not None,
-        },
+        options=agreed_options(
+            chunk_size=chunk_size,
+            communication=communication,
+            reduction=reduction,
+            weight=weight,
+            temperature=temperature,
+            logit_scale=logit_scale,
+        ),
         sizes=sizes,
         flags=0 if checked is None else small_keys_flag(labels, compute_dtype(checked.features.dtype)),
     )
