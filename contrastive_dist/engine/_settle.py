@@ -34,8 +34,12 @@ _GIVE_UP_S = 2.0
 """Longer than any descheduled thread takes; past it the call returns anyway (it never hangs on this)."""
 
 
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+"""A private counter of torch's; where a torch lacks it, calls return without waiting (as before)."""
+
+
 def _use_count(tensor: Tensor) -> int:
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+    return int(_STORAGE_USE_COUNT(tensor.untyped_storage()._cdata)) if _STORAGE_USE_COUNT is not None else 0
 
 
 def settled(run: Callable[[list[Tensor]], object], tensors: Sequence[Tensor]) -> None:
