@@ -190,9 +190,11 @@ def _hard_negatives(method: str, texts: torch.Tensor) -> torch.Tensor | None:
     return torch.roll(texts, 1, 0) if "_negatives" in method else None
 
 
-def _shift_then_wait(ring: _ring.Ring, outgoing: Sequence[torch.Tensor], incoming: Sequence[torch.Tensor]) -> Any:
+def _shift_then_wait(
+    ring: _ring.Ring, outgoing: Sequence[torch.Tensor], incoming: Sequence[torch.Tensor], *, step: str = "ring step"
+) -> Any:
     """The ring transport without overlap: the transfer is over before the current block is used."""
-    pending = _OVERLAPPING_SHIFT(ring, outgoing, incoming)
+    pending = _OVERLAPPING_SHIFT(ring, outgoing, incoming, step=step)
     pending.wait()
     return pending
 
