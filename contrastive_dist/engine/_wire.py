@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
@@ -75,14 +76,29 @@ def all_gather_single(
     Shape:
         input: ``(n, *rest)`` → output: ``(world_size · n, *rest)``
     """
-    with naming_peers(operation, group):
-        settled(lambda views: _all_gather_single(views[0], views[1], group=group), (output, input))
+    gather = _all_gather_single
+    _named_and_settled(operation, group, lambda views: gather(views[0], views[1], group=group), (output, input))
 
 
 def all_reduce(tensor: Tensor, group: ProcessGroup | None = None, *, operation: str = "all-reduce") -> None:
     """Sum ``tensor`` over the ranks, in place, named on failure, settled."""
+    _named_and_settled(
+        operation, group, lambda views: dist.all_reduce(views[0], op=dist.ReduceOp.SUM, group=group), (tensor,)
+    )
+
+
+def _named_and_settled(
+    operation: str, group: ProcessGroup | None, run: Callable[[list[Tensor]], object], tensors: Sequence[Tensor]
+) -> None:
+    """The two wrappers of every collective here: ``settled(run, tensors)``, a transport failure named ``operation``."""
     with naming_peers(operation, group):
-        settled(lambda views: dist.all_reduce(views[0], op=dist.ReduceOp.SUM, group=group), (tensor,))
+        settled(run, tensors)
+
+
+def _naming_source(owner: int, rank: int, group: ProcessGroup | None) -> AbstractContextManager[None]:
+    """Name a failed broadcast of ``owner``'s rows by its one peer, the source (this rank's own: all of them)."""
+    source = "this rank's rows" if owner == rank else f"rank {owner}'s rows"
+    return naming_peers(f"gather (broadcast of {source})", group, peers=None if owner == rank else (owner,))
 
 
 # gloo and NCCL have no bool reduction; bool rows travel as uint8 (same bytes).
@@ -133,17 +149,15 @@ def gather_rows(x: Tensor, sizes: Sequence[int], rank: int, group: ProcessGroup 
     else:
         # The same rows for every peer; contiguous, since for one row einops returns a stride-0 view.
         send = repeat(wire, "n ... -> (peer n) ...", peer=world_size).contiguous()
-        with naming_peers("gather", group):
-            settled(
-                lambda views: dist.all_to_all_single(
-                    views[0],
-                    views[1],
-                    output_split_sizes=list(sizes),
-                    input_split_sizes=[sizes[rank]] * world_size,
-                    group=group,
-                ),
-                (out, send),
-            )
+        _named_and_settled(
+            "gather",
+            group,
+            lambda views: dist.all_to_all_single(
+                views[0], views[1], output_split_sizes=list(sizes), input_split_sizes=[sizes[rank]] * world_size,
+                group=group,
+            ),
+            (out, send),
+        )
     return out.view(x.dtype) if out.dtype != x.dtype else out
 
 
@@ -165,8 +179,7 @@ def _broadcast_blocks(out: Tensor, wire: Tensor, sizes: Sequence[int], rank: int
                 works.append((owner, work))
     works.sort(key=lambda pending: pending[0] == rank)  # stable: the others in rank order, this rank's last
     for owner, work in works:
-        source = "this rank's rows" if owner == rank else f"rank {owner}'s rows"
-        with naming_peers(f"gather (broadcast of {source})", group, peers=None if owner == rank else (owner,)):
+        with _naming_source(owner, rank, group):
             work.wait()
 
 
@@ -223,8 +236,7 @@ def _broadcast_in_order(
         if owner == rank:
             block[:size] = payload
             block[size] = status
-        source = "this rank's rows" if owner == rank else f"rank {owner}'s rows"
-        with naming_peers(f"gather (broadcast of {source})", group, peers=None if owner == rank else (owner,)):
+        with _naming_source(owner, rank, group):
             dist.broadcast(block, src=_global_rank(group, owner), group=group)
         statuses.append(int(block[size].flatten()[0]) if block[size].numel() else STATUS_OK)
         start += size
@@ -269,15 +281,16 @@ def reduce_scatter_rows(grad: Tensor, sizes: Sequence[int], rank: int, group: Pr
     operation = "gather backward (reduce-scatter of the gradient rows)"
     if min(sizes) == max(sizes) and _on_accelerator(grad):
         out = grad.new_empty((local, *grad.shape[1:]))
-        with naming_peers(operation, group):
-            settled(lambda views: _reduce_scatter_single(views[0], views[1], group=group), (out, grad))
+        scatter = _reduce_scatter_single
+        _named_and_settled(operation, group, lambda views: scatter(views[0], views[1], group=group), (out, grad))
         return out
     received = grad.new_empty((world_size * local, *grad.shape[1:]))
-    with naming_peers(operation, group):
-        settled(
-            lambda views: dist.all_to_all_single(
-                views[0], views[1], output_split_sizes=[local] * world_size, input_split_sizes=list(sizes), group=group
-            ),
-            (received, grad),
-        )
+    _named_and_settled(
+        operation,
+        group,
+        lambda views: dist.all_to_all_single(
+            views[0], views[1], output_split_sizes=[local] * world_size, input_split_sizes=list(sizes), group=group
+        ),
+        (received, grad),
+    )
     return reduce(received, "(peer n) ... -> n ...", "sum", peer=world_size)
