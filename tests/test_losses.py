@@ -293,6 +293,26 @@ def test_half_precision_large_batches_stay_finite_and_exact() -> None:
         )
 
 
+@pytest.mark.parametrize("communication", COMMUNICATIONS)
+def test_float16_gradients_do_not_underflow_when_weights_are_folded_in(
+    monkeypatch: pytest.MonkeyPatch, communication: str
+) -> None:
+    # The half route (CUDA's rounding on CPU), per-row upstream gradients ≈ 1/2N folded into the logit
+    # gradient of the recomputed path: unscaled, its entries (≈ 1/(2N·N)) fall below float16's range.
+    monkeypatch.setenv(PRODUCTS_VARIABLE, "half")
+    generator = torch.Generator().manual_seed(5)
+    images, texts = (F.normalize(torch.randn(4096, 8, generator=generator), dim=-1).half() for _ in range(2))
+
+    def gradients(dtype: torch.dtype) -> list[Tensor]:
+        inputs = [images.to(dtype).clone().requires_grad_(), texts.to(dtype).clone().requires_grad_()]
+        losses = info_nce(*inputs, chunk_size=256, communication=communication, reduction="none")
+        return [grad.double() for grad in torch.autograd.grad(losses.mean(), inputs)]
+
+    for grad, expected in zip(gradients(torch.float16), gradients(torch.float64), strict=True):
+        # float16's own rounding of the logit gradient (2⁻¹¹ relative), summed over 4096 columns.
+        assert float((grad - expected).abs().max() / expected.abs().max()) < 2e-3
+
+
 def test_double_backward_raises_instead_of_being_wrong() -> None:
     images = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
     texts = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)

@@ -12,8 +12,10 @@ What makes it safe and fast (each point a hang or a stall seen otherwise):
 
 * every send and receive of a step is posted in one ``batch_isend_irecv`` *before* computing on
   the current block, so the next block is on its way while this one is used (overlap), and
-  NCCL, whose sends block until matched, sees all of a step's operations as one group; only
-  the accumulator, added into in place, is waited for before computing (memory over overlap);
+  NCCL, whose sends block until matched, sees all of a step's operations as one group; a step's
+  contribution to the travelling accumulator is computed into a fresh one and merged in after
+  the accumulator has arrived, so that its transfer overlaps the compute too (one accumulator
+  more in memory);
 * each message gets a fresh buffer and every operation is waited on before its buffer is
   reused or returned;
 * sizes are known to every rank up front, so an empty block (a rank with no rows) is skipped
@@ -26,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
@@ -117,6 +120,7 @@ def circulate(
     visit: Callable[[int, Block, Tensor | None], None],
     *,
     new_accumulator: Callable[[int], Tensor] | None = None,
+    merge_: Callable[[Tensor, Tensor], object] = torch.Tensor.add_,
 ) -> Tensor | None:
     """Pass every rank's block round the ring and call ``visit(owner, block, accumulator)`` on each.
 
@@ -128,6 +132,8 @@ def circulate(
             place (``None`` when no accumulator travels).
         new_accumulator: ``new_accumulator(owner)`` returns ``owner``'s accumulator, initialised
             (zeros for a sum, ``-inf`` for a log-sum-exp); ``None``: no accumulator travels.
+        merge_: ``merge_(accumulator, part)`` adds a step's contribution, computed into a fresh
+            accumulator while the travelling one is on its way, into it (a sum: ``add_``).
 
     Returns:
         The accumulator of this rank's own block, with every rank's contribution (``None``
@@ -144,13 +150,14 @@ def circulate(
             next_block = new_block(ring.owner(step + 1))
             block_transfer = ring.shift(block, next_block, step=hop)
         if new_accumulator is not None:
-            if accumulator_transfer is None:  # the owner starts its block's accumulator
-                accumulator = new_accumulator(ring.owner(step))
-            else:
-                # Added into in place: a step holds one accumulator, not a fresh part besides it.
-                accumulator_transfer.wait()
-                accumulator = incoming
+            # The owner starts its block's accumulator; later steps compute into a fresh part while
+            # the travelling accumulator is still on its way, then merge it in.
+            accumulator = new_accumulator(ring.owner(step))
         visit(ring.owner(step), block, accumulator)
+        if accumulator_transfer is not None:
+            accumulator_transfer.wait()
+            merge_(incoming, accumulator)  # type: ignore[arg-type]
+            accumulator = incoming
         if accumulator is not None and ring.world_size > 1:
             # It follows its block one hop behind; after the last step it reaches the owner.
             incoming = new_accumulator(ring.owner(step + 1))  # type: ignore[misc]

@@ -18,10 +18,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from contrastive_dist.engine._agreement import Layout
+from contrastive_dist.engine._compiled import gather_compiled
 from contrastive_dist.engine._ring import Block, Ring, circulate
+from contrastive_dist.engine._wire import gather_rows
 from contrastive_dist.engine.gather import gather_agreed
 
 __all__ = ["EVERY_RANK", "Columns", "OneBlock", "RingBlocks", "Transport", "Visit", "meet"]
@@ -31,16 +35,63 @@ EVERY_RANK = -1
 
 Visit = Callable[[int, Block, Tensor | None], None]
 NewAccumulator = Callable[[int], Tensor]
+Merge = Callable[[Tensor, Tensor], object]
+
+
+def _gathered(rows: Tensor, sizes: tuple[int, ...], rank: int, group: ProcessGroup | None) -> Tensor:
+    """Every rank's ``rows`` in rank order (not differentiated: the kernels form their own gradients)."""
+    if len(sizes) == 1:
+        return rows
+    if torch.compiler.is_compiling():
+        return gather_compiled((rows,), 0, sizes, rank, group)[0]
+    return gather_rows(rows.contiguous(), sizes, rank, group)
 
 
 class OneBlock(NamedTuple):
-    """Gather mode: every column in one block, this rank's own columns from ``own_start``."""
+    """Gather mode: every column in one block, this rank's own columns from ``own_start``.
+
+    Attributes:
+        own_start: where this rank's own columns start in the block.
+        rank, group: this rank and its process group, for the columns' own direction (symmetric losses).
+    """
 
     own_start: int
+    rank: int = 0
+    group: ProcessGroup | None = None
 
     def own_start_of(self, owner: int) -> int | None:
         """Where this rank's own columns start in ``owner``'s block: always at :attr:`own_start`."""
         return self.own_start
+
+    def columns_in(self, owner: int, counts: Sequence[int]) -> int:
+        """How many columns with a loss of their own the block holds: every rank's (``counts[r]`` each)."""
+        return sum(counts)
+
+    def complete_columns(self, state: Tensor, counts: Sequence[int], merge_: Merge) -> Tensor:
+        """Every rank's partial states of the block's columns, merged in rank order: the same on every rank.
+
+        This rank's rows met every column, but only its own rows: the columns' direction (text→image)
+        needs every rank's, combined by one small exchange (``W × columns × width`` numbers).
+
+        Shape:
+            state: ``(Σ counts, width)`` → ``(Σ counts, width)``.
+        """
+        world_size = len(counts)
+        if world_size == 1:
+            return state
+        parts = _gathered(state, (state.shape[0],) * world_size, self.rank, self.group).chunk(world_size)
+        merged = parts[0].clone()
+        for part in parts[1:]:
+            merge_(merged, part)
+        return merged
+
+    def own_columns(self, values: Tensor, counts: Sequence[int]) -> Tensor:
+        """The block's columns that are this rank's own (``counts[rank]`` rows from :attr:`own_start`)."""
+        return values[self.own_start : self.own_start + counts[self.rank]]
+
+    def block_columns(self, values: Tensor, counts: Sequence[int]) -> Tensor:
+        """Values of this rank's own columns → the block's: every rank's, gathered (one small exchange)."""
+        return _gathered(values, tuple(counts), self.rank, self.group)
 
     def run(
         self,
@@ -48,6 +99,7 @@ class OneBlock(NamedTuple):
         rows: Sequence[Sequence[int]],
         visit: Visit,
         new_accumulator: NewAccumulator | None = None,
+        merge_: Merge = Tensor.add_,
     ) -> Tensor | None:
         """Visit the one block; return its accumulator (``rows`` is unused: nothing is received)."""
         accumulator = None if new_accumulator is None else new_accumulator(EVERY_RANK)
@@ -64,12 +116,29 @@ class RingBlocks(NamedTuple):
         """0 on this rank's own block, ``None`` on another rank's."""
         return 0 if owner == self.ring.rank else None
 
+    def columns_in(self, owner: int, counts: Sequence[int]) -> int:
+        """How many columns with a loss of their own ``owner``'s block holds."""
+        return counts[owner]
+
+    def complete_columns(self, state: Tensor, counts: Sequence[int], merge_: Merge) -> Tensor:
+        """The own block's column state: complete already, every rank's contribution came home with it."""
+        return state
+
+    def own_columns(self, values: Tensor, counts: Sequence[int]) -> Tensor:
+        """The own block's columns are this rank's own."""
+        return values
+
+    def block_columns(self, values: Tensor, counts: Sequence[int]) -> Tensor:
+        """The own block's columns are this rank's own: they travel with it."""
+        return values
+
     def run(
         self,
         block: Block,
         rows: Sequence[Sequence[int]],
         visit: Visit,
         new_accumulator: NewAccumulator | None = None,
+        merge_: Merge = Tensor.add_,
     ) -> Tensor | None:
         """Pass every rank's block round the ring; return this rank's accumulator, home with every contribution.
 
@@ -83,7 +152,7 @@ class RingBlocks(NamedTuple):
             )
 
         contiguous = tuple(tensor.contiguous() for tensor in block)
-        return circulate(self.ring, contiguous, new_block, visit, new_accumulator=new_accumulator)
+        return circulate(self.ring, contiguous, new_block, visit, new_accumulator=new_accumulator, merge_=merge_)
 
 
 Transport = OneBlock | RingBlocks
@@ -116,6 +185,6 @@ def meet(communication: str, layout: Layout, own: Sequence[Tensor], *, per_sampl
     rows = tuple(size * per_sample for size in layout.sizes)
     if communication == "gather":
         gathered = gather_agreed(own, layout._replace(sizes=rows))
-        return Columns(gathered.tensors, OneBlock(layout.offset * per_sample), rows)
+        return Columns(gathered.tensors, OneBlock(layout.offset * per_sample, layout.rank, layout.group), rows)
     ring = Ring(layout.rank, layout.world_size, rows, layout.group)
     return Columns(tuple(own), RingBlocks(ring), rows)

@@ -65,7 +65,8 @@ class Family(NamedTuple):
     finish: Callable[[Tensor], Tensor]
     has_positive: Callable[[Tensor], Tensor]
     numerators_: Callable[..., Tensor]
-    gradient_: Callable[[Tensor, Tensor, Targets, Tensor | None, Tensor], Tensor]
+    gradient_: Callable[[Tensor, Tensor, Targets, Tensor | None, Tensor | float], Tensor]
+    rebase_: Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 def _family(module: Any) -> Family:
@@ -82,30 +83,34 @@ class Pairs(NamedTuple):
         family: :data:`SOFTMAX` or :data:`SIGMOID`.
         rows: where the rows' positives and excluded columns sit in their own rank's block, their keys.
         transport: which blocks the rows meet.
-        chunk: rows per logit block.
+        chunk: rows per logit block; ``None``: chosen from the block's shape (:func:`default_chunk`).
         column_keys: ``(m,)`` the keys of the transport's block of columns (gather: every rank's; ring:
             this rank's), or ``None``.
         key_rows: ring mode: the number of columns in each rank's block.
         column_key_rows: ring mode: the number of keys in each rank's block of :attr:`column_keys`
             (columns past the end of a block's keys have none: they share no key with any row);
             default :attr:`key_rows`.
-        columns: ring mode's symmetric losses: per rank, how many leading columns of its block have
-            a loss of their own (InfoNCE's texts; its own negatives after them have none), from the
-            same logits; ``None``: the columns have no loss.
+        columns: symmetric losses: per rank, how many of its columns have a loss of their own
+            (InfoNCE's texts; negatives have none), from the same logits: the leading columns of its
+            block in ring mode, of the one block (every rank's, in rank order) in gather mode;
+            ``None``: the columns have no loss.
         local_keys: ``(K, D)`` extra columns held here (shared negatives), met by every row, no gradient.
         local_column_keys: ``(K,)`` their keys, or ``None``.
+        column_weights: gather mode's symmetric losses: ``(Σ columns,)`` the weights of the block's
+            columns with a loss (their pairs' weights, gathered), or ``None`` (all 1).
     """
 
     family: Family
     rows: RowTargets
     transport: Transport
-    chunk: int
+    chunk: int | None
     column_keys: Tensor | None = None
     key_rows: tuple[int, ...] = ()
     column_key_rows: tuple[int, ...] | None = None
     columns: tuple[int, ...] | None = None
     local_keys: Tensor | None = None
     local_column_keys: Tensor | None = None
+    column_weights: Tensor | None = None
 
 
 Backward = Callable[..., tuple[Tensor | None, ...]]
@@ -158,8 +163,29 @@ def transposed_copy(logits: Tensor) -> Tensor:
     return logits.clone().T
 
 
-def chunks(rows: int, chunk: int) -> list[tuple[int, int]]:
-    return [(start, min(start + chunk, rows)) for start in range(0, rows, chunk)]
+BLOCK_LOGITS = 2**24
+"""The default chunk's budget: a block of at most this many logits (64 MiB in float32) is formed whole."""
+
+
+def default_chunk(rows: int, columns: int) -> int:
+    """Rows per block when ``chunk_size=None``, chosen from the block's shape.
+
+    Every row if the block holds at most :data:`BLOCK_LOGITS` logits (formed whole: one pass, no
+    recomputation), else the most rows under that, in multiples of 64 (at least 64).
+
+    Example:
+        >>> default_chunk(4096, 4096), default_chunk(8192, 65536), default_chunk(10, 0)
+        (4096, 256, 10)
+    """
+    if rows * columns <= BLOCK_LOGITS:
+        return max(rows, 1)
+    return max(64, BLOCK_LOGITS // columns // 64 * 64)
+
+
+def chunks(rows: int, chunk: int | None, columns: int = 0) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each chunk of ``rows`` rows against ``columns`` (``None``: :func:`default_chunk`)."""
+    size = default_chunk(rows, columns) if chunk is None else chunk
+    return [(start, min(start + size, rows)) for start in range(0, rows, size)]
 
 
 class Grads(NamedTuple):
@@ -177,25 +203,43 @@ def accumulate(
 
     Queries ``s · G K``, keys ``s · Gᵀ Q`` (into ``key_grad``), scale ``Σ Q ⊙ (G K)``, bias ``Σ G``.
     The accumulators are in the core's dtype; half operands multiply ``G`` rounded to their dtype.
+    In float16, whose range is narrow, ``G`` is first multiplied by a power of two that brings its
+    largest entry to [½, 1) and the products are divided by it: the row weights folded into ``G``
+    (upstream gradients ≈ 1/N) would otherwise push its entries below float16's smallest numbers.
     """
     if grads.bias is not None:
         grads.bias.add_(logit_grad.sum())
     half = _half(queries, keys)
     if not half and queries.dtype != keys.dtype:  # a block held here in another dtype (a float32 queue)
         queries, keys = upcast(queries), upcast(keys)
-    factor = logit_grad.to(queries.dtype) if half else logit_grad
+    factor, unscale = _rounded(logit_grad, queries.dtype) if half else (logit_grad, None)
     if key_grad is not None:
         if half:
-            key_grad.add_(product(factor.T, queries).mul_(scale))
+            key_grad.add_(product(factor.T, queries).mul_(scale if unscale is None else scale * unscale))
         else:
             key_grad.addmm_(factor.T, queries * scale)
     if grads.query is None and grads.scale is None:
         return
     weighted_keys = product(factor, keys) if half else factor @ keys
+    if unscale is not None:
+        weighted_keys.mul_(unscale)
     if grads.query is not None:
         grads.query[start : start + queries.shape[0]].add_(weighted_keys * scale)
     if grads.scale is not None:
         grads.scale.add_((upcast(queries) * weighted_keys).sum())
+
+
+def _rounded(logit_grad: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    """``G`` in a half ``dtype`` for the products, and what to multiply the products by (``None``: 1).
+
+    bfloat16 has float32's range: ``G`` is only rounded. float16's smallest normal number is 6e-5:
+    ``G`` is scaled by a power of two first (exact), so that its largest entry is in [½, 1).
+    """
+    if dtype != torch.float16:
+        return logit_grad.to(dtype), None
+    peak = torch.linalg.vector_norm(logit_grad, float("inf"))
+    power = torch.where(peak > 0, torch.floor(torch.log2(torch.where(peak > 0, peak, 1.0))) + 1.0, 0.0)
+    return torch.mul(logit_grad, torch.exp2(-power)).to(dtype), torch.exp2(power)
 
 
 def gradients_wanted(*tensors: Tensor | None) -> tuple[bool, ...]:

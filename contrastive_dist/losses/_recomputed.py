@@ -28,9 +28,9 @@ from contrastive_dist.losses._kernel import (
     gradients_wanted,
     grads_for,
     own_block,
-    transposed_copy,
 )
-from contrastive_dist.losses._targets import Targets
+from contrastive_dist.losses._symmetric import column_block, column_gradient
+from contrastive_dist.losses._symmetric import column_state as column_state_of
 
 __all__ = ["pair_losses"]
 
@@ -52,14 +52,6 @@ def pair_losses(
     return _Recomputed.apply(queries, keys, scale, bias, pairs, wanted)  # type: ignore[no-any-return]
 
 
-def _column_targets(
-    pairs: Pairs, own_start: int | None, start: int, stop: int, targets: Targets, columns: int
-) -> Targets:
-    """Ring mode's column direction of rows ``start:stop``: the block's first ``columns`` columns against them."""
-    column_keys = None if targets.column_keys is None else targets.column_keys[:columns]
-    return pairs.rows.columns(own_start is not None, start, stop - start, targets._replace(column_keys=column_keys))
-
-
 class _Recomputed(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -79,15 +71,12 @@ class _Recomputed(torch.autograd.Function):
             if block_keys.shape[0] == 0:
                 return
             own_start = transport.own_start_of(owner) if owner != LOCAL else None
-            for start, stop in chunks(queries.shape[0], pairs.chunk):
+            for start, stop in chunks(queries.shape[0], pairs.chunk, block_keys.shape[0]):
                 logits = block_logits(queries[start:stop], block_keys, scale, bias)
                 targets = pairs.rows.block(own_start, start, stop, column_keys)
                 if column_state is not None and column_state.shape[0]:
-                    columns = column_state.shape[0]
-                    column_logits = transposed_copy(logits[:, :columns])
-                    column_targets = _column_targets(pairs, own_start, start, stop, targets, columns)
-                    mask = column_targets.positive_mask(column_logits)
-                    family.merge_(column_state, family.block_state_(column_logits, column_targets, mask))
+                    columns = column_block(pairs, logits, own_start, start, stop, targets, column_state.shape[0])
+                    family.merge_(column_state, column_state_of(pairs, columns))
                 chunk_state = family.block_state_(logits, targets, targets.positive_mask(logits))
                 family.merge_(row_state[start:stop], chunk_state)
 
@@ -95,17 +84,20 @@ class _Recomputed(torch.autograd.Function):
         new_column_state = None
         if pairs.columns is not None:
             columns = pairs.columns
-            new_column_state = lambda owner: family.empty_state(columns[owner], scale)  # noqa: E731
-        column_state = transport.run(own, block_rows(pairs), visit, new_column_state)
+            new_column_state = lambda owner: family.empty_state(transport.columns_in(owner, columns), scale)  # noqa: E731
+        column_state = transport.run(own, block_rows(pairs), visit, new_column_state, family.merge_)
         if pairs.local_keys is not None:
             visit(LOCAL, own_block(pairs.local_keys.to(keys.dtype), pairs.local_column_keys), None)
-        if column_state is None:
-            column_state = family.empty_state(0, scale)
+        if column_state is None or pairs.columns is None:
+            column_state, own_columns = family.empty_state(0, scale), family.empty_state(0, scale)
+        else:
+            column_state = transport.complete_columns(column_state, pairs.columns, family.merge_)
+            own_columns = transport.own_columns(column_state, pairs.columns)
         ctx.save_for_backward(queries, keys, scale, bias, row_state, column_state)
         ctx.pairs, ctx.wanted = pairs, wanted
         has_positive = family.has_positive(row_state)
         ctx.mark_non_differentiable(has_positive)
-        return family.finish(row_state), family.finish(column_state), has_positive
+        return family.finish(row_state), family.finish(own_columns), has_positive
 
     @staticmethod
     @first_order_only
@@ -127,19 +119,15 @@ class _Recomputed(torch.autograd.Function):
             columns_here = block[-1] if symmetric and owner != LOCAL else None
             if owner == LOCAL:
                 column_keys = block[1] if len(block) > 1 else None
-            for start, stop in chunks(queries.shape[0], pairs.chunk):
+            for start, stop in chunks(queries.shape[0], pairs.chunk, block_keys.shape[0]):
                 chunk_queries = queries[start:stop]
                 logits = block_logits(chunk_queries, block_keys, scale, bias)
                 targets = pairs.rows.block(own_start, start, stop, column_keys)
                 column_logit_grad = None
                 if columns_here is not None and columns_here.shape[0]:
-                    columns = columns_here.shape[0]
                     state, upstream = columns_here[:, :-1], columns_here[:, -1]
-                    column_logits = transposed_copy(logits[:, :columns])
-                    column_targets = _column_targets(pairs, own_start, start, stop, targets, columns)
-                    mask = column_targets.positive_mask(column_logits)
-                    family.numerators_(column_logits, state, column_targets, mask)
-                    column_logit_grad = family.gradient_(column_logits, state, column_targets, mask, upstream)
+                    columns = column_block(pairs, logits, own_start, start, stop, targets, columns_here.shape[0])
+                    column_logit_grad = column_gradient(pairs, columns, state, upstream)
                 mask = targets.positive_mask(logits)
                 chunk_state = row_state[start:stop]
                 family.numerators_(logits, chunk_state, targets, mask)
@@ -150,7 +138,8 @@ class _Recomputed(torch.autograd.Function):
 
         own = own_block(keys, pairs.column_keys)
         if symmetric:
-            own = (*own, torch.cat((column_state, column_grad[:, None].to(column_state.dtype)), dim=1))
+            upstream = transport.block_columns(column_grad.to(column_state.dtype), pairs.columns)
+            own = (*own, torch.cat((column_state, upstream[:, None]), dim=1))
         new_key_grad = None
         if want_key:
             key_rows = pairs.key_rows

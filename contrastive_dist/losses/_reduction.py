@@ -85,25 +85,29 @@ def mean_over_directions(
 ) -> tuple[Tensor, Tensor]:
     """A loss whose row loss is the mean of its directions': ``Σ_i w_i ℓ_i`` (or the ``ℓ_i`` with ``per_row``).
 
-    The directions of a symmetric loss are gather mode's two kernel calls (image→text, text→image)
-    or ring mode's one call whose columns have losses of their own (:attr:`Pairs.columns`). Gather
-    mode's weighted sum forms its gradients in forward (:func:`weighted_pair_sum`); every other case
-    recomputes in backward (:func:`pair_losses`).
+    The two directions of a symmetric loss (image→text, text→image) are one kernel call whose
+    columns have losses of their own (:attr:`Pairs.columns`), in either mode. Gather mode's weighted
+    sum forms its gradients in forward (:func:`weighted_pair_sum`); every other case recomputes in
+    backward (:func:`pair_losses`).
 
     Returns:
         The weighted sum ``()`` or the rows ``(n,)``, and whether each row has a loss ``(n,)`` (first direction).
     """
     parts: list[Tensor] = []
     has_positive: Tensor | None = None
+    count = 0  # directions: a call whose columns have losses of their own counts twice
     for direction in directions:
+        symmetric = direction.pairs.columns is not None
         if not per_row and isinstance(direction.pairs.transport, OneBlock):
-            total, has = weighted_pair_sum(*direction, weights)
+            total, has = weighted_pair_sum(*direction, weights)  # both directions' sum, when symmetric
             parts.append(total)
         else:
             rows, columns, has = pair_losses(*direction)
-            parts += [rows] if direction.pairs.columns is None else [rows, columns]
+            parts += [rows, columns] if symmetric else [rows]
+        count += 2 if symmetric else 1
         has_positive = has if has_positive is None else has_positive
-    value = parts[0] if len(parts) == 1 else sum(parts[1:], parts[0]) * (1.0 / len(parts))
+    value = parts[0] if len(parts) == 1 else sum(parts[1:], parts[0])
+    value = value if count == 1 else value * (1.0 / count)
     if not per_row and value.ndim:
         value = value.sum() if weights is None else value @ weights
     assert has_positive is not None

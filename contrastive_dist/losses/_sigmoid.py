@@ -19,7 +19,17 @@ from torch import Tensor
 
 from contrastive_dist.losses._targets import Targets
 
-__all__ = ["WIDTH", "block_state_", "empty_state", "finish", "gradient_", "has_positive", "merge_", "numerators_"]
+__all__ = [
+    "WIDTH",
+    "block_state_",
+    "empty_state",
+    "finish",
+    "gradient_",
+    "has_positive",
+    "merge_",
+    "numerators_",
+    "rebase_",
+]
 
 WIDTH = 1
 """One number of state per row: its sum of pair terms so far."""
@@ -70,13 +80,21 @@ def has_positive(state: Tensor) -> Tensor:
     return torch.ones(state.shape[0], dtype=torch.bool, device=state.device)
 
 
+def rebase_(margins: Tensor, partial: Tensor, final: Tensor) -> Tensor:
+    """The margins do not depend on the rows' state: unchanged."""
+    return margins
+
+
 def gradient_(
-    margins: Tensor, state: Tensor, targets: Targets, positive_mask: Tensor | None, weights: Tensor
+    margins: Tensor, state: Tensor, targets: Targets, positive_mask: Tensor | None, weights: Tensor | float
 ) -> Tensor:
     """``∂(Σ_i w_i ℓ_i) / ∂logits`` of one block, in place on its margins: ``−z · σ(−z · l) · w``.
 
     Shape:
-        margins: ``(c, m)``; weights: ``(c,)``; output: ``(c, m)``.
+        margins: ``(c, m)``; weights: ``(c,)`` (or a number, the same for every row); output: ``(c, m)``.
     """
     # d softplus(m)/dl = σ(m) · dm/dl with m = −z·l: the positives' sign flips back.
-    return _flip_positives_(margins.sigmoid_(), targets, positive_mask).mul_(weights[:, None])
+    gradient = _flip_positives_(margins.sigmoid_(), targets, positive_mask)
+    if isinstance(weights, Tensor):
+        return gradient.mul_(weights[:, None])
+    return gradient if weights == 1.0 else gradient.mul_(weights)

@@ -35,7 +35,17 @@ from torch import Tensor
 
 from contrastive_dist.losses._targets import MASKED, Targets
 
-__all__ = ["WIDTH", "block_state_", "empty_state", "finish", "gradient_", "has_positive", "merge_", "numerators_"]
+__all__ = [
+    "WIDTH",
+    "block_state_",
+    "empty_state",
+    "finish",
+    "gradient_",
+    "has_positive",
+    "merge_",
+    "numerators_",
+    "rebase_",
+]
 
 WIDTH = 5
 """Numbers of state per row: ``m``, ``rest``, ``exact``, ``pos_sum``, ``pos_count``."""
@@ -160,8 +170,23 @@ def numerators_(logits: Tensor, state: Tensor, targets: Targets, positive_mask: 
     return logits.sub_(_finite(state[:, _MAX])[:, None]).exp_()
 
 
+def rebase_(numerators: Tensor, partial: Tensor, final: Tensor) -> Tensor:
+    """``exp(l − m_partial)`` → ``exp(l − m_final)``, in place, for a block's numerators.
+
+    They were formed against the rows' state over part of their columns and move onto the final
+    maxima (a factor of exactly 1 where the part held the maximum). Rows without a candidate in the
+    part have only zeros.
+
+    Shape:
+        numerators: ``(c, m)``; partial, final: ``(c, WIDTH)``; output: ``numerators``.
+    """
+    partial_max = partial[:, _MAX]
+    factor = torch.where(torch.isinf(partial_max), 0.0, (partial_max - _finite(final[:, _MAX])).exp())
+    return numerators.mul_(factor[:, None])
+
+
 def gradient_(
-    numerators: Tensor, state: Tensor, targets: Targets, positive_mask: Tensor | None, weights: Tensor
+    numerators: Tensor, state: Tensor, targets: Targets, positive_mask: Tensor | None, weights: Tensor | float
 ) -> Tensor:
     """``∂(Σ_i w_i ℓ_i) / ∂logits`` of one block, in place on its numerators; rows without positives get 0.
 
@@ -171,7 +196,7 @@ def gradient_(
         state: ``(c, WIDTH)`` the rows' final state (every column met).
         targets: the block's targets, as for :func:`block_state_`.
         positive_mask: as for :func:`block_state_`.
-        weights: ``(c,)`` ``w_i``, the upstream gradient of each row's loss.
+        weights: ``(c,)`` ``w_i``, the upstream gradient of each row's loss (a number: the same for every row).
     """
     total = state[:, _REST] + state[:, _EXACT]
     live = torch.where(has_positive(state), weights, 0.0)

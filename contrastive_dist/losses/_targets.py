@@ -173,8 +173,9 @@ class RowTargets(NamedTuple):
         excluded: ``(n,)`` a column of its own rank's block each row leaves out, or ``None``.
         keys: ``(n,)`` the rows' keys (labels, ids), or ``None``; the columns' keys travel with them.
         key_rule: what equal keys mean.
-        column_positive: ``(m_r,)`` for ring mode's column direction: the row of each own column's
-            positive (InfoNCE: text ``j``'s image ``j``), or ``None``.
+        column_positive: for the columns' own direction: the row of each column's positive among
+            this rank's rows (InfoNCE: text ``j``'s image ``j``; out of range: on another rank), for the
+            columns of this rank's own block (ring mode) or of the one block (gather mode); or ``None``.
     """
 
     positive: Tensor | None = None
@@ -215,14 +216,15 @@ def pair_targets(
     excluded: Tensor | None = None,
     keys: Tensor | None = None,
     same_id: KeyRule = "mask",
-    column_positive: bool = False,
+    column_positive: Tensor | None = None,
 ) -> RowTargets:
     """Rows with one positive column each (their pair), and, with ``keys`` (ids), what equal ids mean.
 
     ``same_id="mask"``: other columns with the row's id are left out, its positive stays;
     ``"positive"``: every column with the row's id is a positive (its own pair among them: a pair
     shares its id); the pair still locates the exact part of the row's sum. ``column_positive``:
-    ring mode's columns have losses of their own, each with the row of the same index as its pair.
+    the columns have losses of their own (symmetric losses); the row of each column's pair
+    (:attr:`RowTargets.column_positive`).
     """
     rule: KeyRule = "positive" if keys is not None and same_id == "positive" else "mask"
-    return RowTargets(positive, excluded, keys, rule, positive if column_positive else None)
+    return RowTargets(positive, excluded, keys, rule, column_positive)

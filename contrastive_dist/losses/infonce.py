@@ -209,9 +209,10 @@ def info_nce(
         small = layout.every_rank_has(SMALL_KEYS)
         keys = None if arguments_.ids is None else comparable_keys(arguments_.ids, compute_dtype(images.dtype), small)
         keyed = () if keys is None else (keys,)
-        # Gather mode's text→image direction needs every rank's images too: gathered with the texts.
-        columns = meet(communication, layout, (texts, images, *keyed) if symmetric and not ring else (texts, *keyed))
-        column_keys = columns.tensors[-1] if keys is not None else None
+        # Gather mode's text→image direction weighs every rank's texts: their weights travel with them.
+        weighed = (weights,) if symmetric and not ring and weights is not None else ()
+        columns = meet(communication, layout, (texts, *keyed, *weighed))
+        column_keys = columns.tensors[1] if keys is not None else None
         negative_keys = arguments_.negative_ids
         if negative_keys is not None:
             negative_keys = comparable_keys(negative_keys, compute_dtype(images.dtype), small)
@@ -223,26 +224,27 @@ def info_nce(
             text_columns = with_own_negatives(text_columns, joined, layout)
             column_key_rows = text_columns.rows if negative_keys is not None else columns.rows
         pairs_with = torch.arange(images.shape[0], device=images.device)
-        rows = pair_targets(pairs_with, keys=keys, same_id=same_id, column_positive=ring and symmetric)
+        # Text j's image: row j of its own rank (ring: its own block's column j; gather: the offset's).
+        column_positive = None
+        if symmetric:
+            column_positive = torch.arange(columns.tensors[0].shape[0], device=images.device)
+            column_positive = column_positive if ring else column_positive - layout.offset
+        rows = pair_targets(pairs_with, keys=keys, same_id=same_id, column_positive=column_positive)
         image_to_text = Pairs(
             SOFTMAX,
             rows,
             text_columns.transport,
-            chunk or max(images.shape[0], 1),
+            chunk,
             column_keys=text_columns.tensors[1] if column_keys is not None else None,
             key_rows=text_columns.rows,
             column_key_rows=column_key_rows,
-            columns=layout.sizes if ring and symmetric else None,  # ring: the texts' own losses, same logits
+            columns=layout.sizes if symmetric else None,  # the texts' own losses, from the same logits
             local_keys=negatives.keys if isinstance(negatives, SharedNegatives) else None,
             local_column_keys=negative_keys if isinstance(negatives, SharedNegatives) else None,
+            column_weights=columns.tensors[-1] if weighed else None,
         )
-        directions = [Direction(operands(images), text_columns.tensors[0], scale, None, image_to_text)]
-        if symmetric and not ring:
-            text_to_image = image_to_text._replace(
-                column_keys=column_keys, local_keys=None, local_column_keys=None, key_rows=columns.rows
-            )
-            directions.append(Direction(operands(texts), operands(columns.tensors[1]), scale, None, text_to_image))
-        value, _ = mean_over_directions(directions, weights=weights, per_row=reduction == "none")
+        direction = Direction(operands(images), text_columns.tensors[0], scale, None, image_to_text)
+        value, _ = mean_over_directions([direction], weights=weights, per_row=reduction == "none")
     if reduction == "none":
         return value
     return mean_share(value, layout, sum(layout.sizes) if layout.total is None else layout.total)

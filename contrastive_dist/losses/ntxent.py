@@ -173,7 +173,7 @@ def nt_xent(
             SOFTMAX,
             pair_targets(anchors ^ 1, excluded=anchors, keys=keys, same_id=same_id),  # the other view; never itself
             columns.transport,
-            chunk or max(2 * samples, 1),
+            chunk,
             column_keys=None if keys is None else columns.tensors[1],
             key_rows=columns.rows,
         )

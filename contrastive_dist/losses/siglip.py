@@ -164,7 +164,7 @@ def siglip(
             SIGMOID,
             pair_targets(own_text, keys=keys, same_id=same_id),
             columns.transport,
-            chunk or max(images.shape[0], 1),
+            chunk,
             column_keys=None if keys is None else columns.tensors[1],
             key_rows=columns.rows,
         )

@@ -167,7 +167,7 @@ def supcon(
             SOFTMAX,
             RowTargets(excluded=anchors, keys=embedding_labels),  # positives: the other rows of its label
             columns.transport,
-            chunk or max(anchors.shape[0], 1),
+            chunk,
             column_keys=key_labels,
             key_rows=columns.rows,
         )
