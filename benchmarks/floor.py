@@ -183,6 +183,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         gather[case] = _medians(
             _step(case, args.n, args.dim, "gather", 0, 1), _floor(case, args.n, args.dim, 1), args.repeats
         )
+        _progress(case, "gather", gather[case])
     ring: dict[Case, tuple[float, float]] = {}
     ring_cases = [case for case in cases if case.loss in LOSSES] if args.world_size > 1 else []
     if ring_cases:
@@ -190,6 +191,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             for case in ring_cases:
                 per_rank = pool.run(_ring_rank, case, args.n, args.dim, args.repeats)
                 ring[case] = max(per_rank, key=lambda times: times[0] / times[1])
+                _progress(case, "ring", ring[case])
     rows = []
     for case in cases:
         for mode, results in (("gather", gather), (f"ring W={args.world_size}", ring)):
@@ -205,6 +207,13 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                  "ring ÷ gather": relative}
             )  # fmt: skip
     return rows
+
+
+def _progress(case: Case, mode: str, times: tuple[float, float]) -> None:
+    """One line per measured row on stderr, so that a long run shows how far it is."""
+    seconds, floor_seconds = times
+    print(f"{case.loss} {mode} {_call_name(case)} {case.dtype}: {1e3 * seconds:.0f} ms, "
+          f"×{seconds / floor_seconds:.2f} floor", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _peer_installed() -> bool:
