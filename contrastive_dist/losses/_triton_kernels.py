@@ -48,7 +48,7 @@ if triton is not None:
         else:
             # log1p from log, accurate for small x: log(u) · x / (u − 1) corrects the rounding of u = 1 + x.
             u = 1.0 + x
-            return tl.where(u == 1.0, x, tl.log(u) * (x / tl.where(u == 1.0, 1.0, u - 1.0)))
+            return tl.where(u == 1.0, x, tl.log(u) * tl.math.div_rn(x, tl.where(u == 1.0, 1.0, u - 1.0)))
 
     @triton.jit
     def _row_targets(pos_ptr, excl_ptr, rows, row_ok, m, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr):
@@ -93,8 +93,11 @@ if triton is not None:
     @triton.jit
     def _stats(p_ptr, stride_r, stride_c, rows, row_ok, begin, end, scale, bias, pos, excl,
                HAS_BIAS: tl.constexpr, BC: tl.constexpr, ACCURATE: tl.constexpr):
-        """Online over columns ``[begin, end)``: the maximum, Σ exp(l − max) over the candidates but the
-        positive (its term is kept exactly, from its logit), and the positive's logit (0 where not here)."""
+        """Online over columns ``[begin, end)``: the maximum, Σ exp(l − max) and the positive's logit.
+
+        The sum runs over the candidates but the positive (its term is kept exactly, from its logit);
+        the positive's logit is 0 where it is not in the span.
+        """
         row_max = tl.full(rows.shape, float("-inf"), tl.float32)
         rest = tl.zeros(rows.shape, tl.float32)
         positive = tl.zeros(rows.shape, tl.float32)
@@ -140,14 +143,15 @@ if triton is not None:
 
     @triton.jit
     def _softmax_grad_tile(logits, cols, col_ok, pos, excl, row_max, rest, exact, live, ACCURATE: tl.constexpr):
-        """``live · (p − t)`` of one tile, the positive's entry −live (rest + (exact − own)) / Σ (_softmax.gradient_)."""
+        """``live · (p − t)`` of one tile; the positive's entry is −live (rest + (exact − own)) / Σ, as in gradient_."""
         numerators = _exp(_candidates(logits, cols, col_ok, excl) - _finite(row_max)[:, None], ACCURATE)
         at_positive = cols[None, :] == pos[:, None]
         # The positive's own numerator from this tile: only the tile holding it writes its entry.
         own = tl.sum(tl.where(at_positive, numerators, 0.0), axis=1)
         total = tl.maximum(rest + exact, _TINY)
-        softmax_weight = live / total
-        entry = -live * (rest + (exact - own)) / total
+        # IEEE divisions (div_rn), as the eager chain's: `/` is the approximate div.full on NVIDIA.
+        softmax_weight = tl.math.div_rn(live, total)
+        entry = tl.math.div_rn(-live * (rest + (exact - own)), total)
         return tl.where(at_positive, entry[:, None], numerators * softmax_weight[:, None])
 
     @triton.jit
@@ -189,7 +193,9 @@ if triton is not None:
             terms = tl.where(margins > _SOFTPLUS_THRESHOLD, margins, small)
             sums += tl.sum(terms, axis=1)
             if WRITE_G:
-                sigmoid = 1.0 / (1.0 + _exp(-margins, ACCURATE))
+                # σ(x) from e = exp(−|x|): never overflows, and keeps its relative precision for x ≪ 0.
+                small = _exp(-tl.abs(margins), ACCURATE)
+                sigmoid = tl.math.div_rn(tl.where(margins >= 0, 1.0, small), 1.0 + small)
                 grad = tl.where(at_positive, -sigmoid, sigmoid) * weights[:, None]
                 grad_sums += tl.sum(grad, axis=1)
                 _store_grad(g_ptr, g_stride_r, g_stride_c, rows, cols, row_ok, col_ok, grad, False)
@@ -202,8 +208,11 @@ if triton is not None:
     def state_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, pos_ptr, excl_ptr, out_ptr, c, m, span,
                      HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, SINGLE: tl.constexpr,
                      BR: tl.constexpr, BC: tl.constexpr, ACCURATE: tl.constexpr):
-        """The rows' softmax state over one span of columns: final ``(c, 5)`` when SINGLE, else a partial
-        ``(splits, c, 3)`` (maximum, rest, positive logit) for :func:`finish_kernel`."""
+        """The rows' softmax state over one span of columns.
+
+        Final ``(c, 5)`` when SINGLE, else a partial ``(splits, c, 3)`` (maximum, rest, positive logit)
+        for :func:`finish_kernel`.
+        """
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         row_ok = rows < c
         begin = tl.program_id(1) * span
