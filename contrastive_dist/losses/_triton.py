@@ -168,19 +168,20 @@ def sigmoid_block(
     """
     _check(product, scale, bias, {"positive": positive, "excluded": excluded, "weights": weights, "grad": grad})
     rows, columns = product.shape
+    if not (rows and columns):
+        return product.new_zeros(rows), product.new_zeros(rows)
     splits, span = _span(product, splits)
-    sums = product.new_zeros((splits, rows))
-    grad_sums = product.new_zeros((splits, rows))
+    # Every slot is written by the kernel (grad_sums zeros without grad): no fill launch.
+    sums, grad_sums = product.new_empty((splits, rows)), product.new_empty((splits, rows))
     tile_rows, tile_columns = _tile(product)
-    if rows and columns:
-        g_strides = grad.stride() if grad is not None else (0, 0)
-        with _on(product):
-            kernels.sigmoid_kernel[(math.ceil(rows / tile_rows), splits)](
-                product, *product.stride(), scale, bias, positive, excluded, weights,
-                grad, *g_strides, sums, grad_sums, rows, columns, span,
-                **_flags(bias, positive, excluded), HAS_W=weights is not None, WRITE_G=grad is not None,
-                BR=tile_rows, BC=tile_columns, ACCURATE=not _interpreting(),
-            )  # fmt: skip
+    g_strides = grad.stride() if grad is not None else (0, 0)
+    with _on(product):
+        kernels.sigmoid_kernel[(math.ceil(rows / tile_rows), splits)](
+            product, *product.stride(), scale, bias, positive, excluded, weights,
+            grad, *g_strides, sums, grad_sums, rows, columns, span,
+            **_flags(bias, positive, excluded), HAS_W=weights is not None, WRITE_G=grad is not None,
+            BR=tile_rows, BC=tile_columns, ACCURATE=not _interpreting(),
+        )  # fmt: skip
     return (sums[0], grad_sums[0]) if splits == 1 else (sums.sum(0), grad_sums.sum(0))
 
 

@@ -201,8 +201,7 @@ if triton is not None:
                 _store_grad(g_ptr, g_stride_r, g_stride_c, rows, cols, row_ok, col_ok, grad, False)
         slot = tl.program_id(1) * c + rows
         tl.store(sums_ptr + slot, sums, mask=row_ok)
-        if WRITE_G:
-            tl.store(grad_sums_ptr + slot, grad_sums, mask=row_ok)
+        tl.store(grad_sums_ptr + slot, grad_sums, mask=row_ok)
 
     @triton.jit
     def state_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, pos_ptr, excl_ptr, out_ptr, c, m, span,
