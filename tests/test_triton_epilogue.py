@@ -339,13 +339,14 @@ def test_kernels_compile_for_cuda(every_input: bool) -> None:
         pytest.skip("Triton without its NVIDIA backend")
     flags = {"HAS_BIAS": every_input, "HAS_POS": every_input, "HAS_EXCL": every_input, "HAS_W": every_input,
              "WRITE_G": every_input, "SINGLE": every_input, "ACCUMULATE": every_input, "ACCURATE": True}  # fmt: skip
+    tile = {"BR": 8, "BC": 256} if every_input else {"BR": 1, "BC": 2048}  # the widest and the narrowest
     for kernel in (kernels.sigmoid_kernel, kernels.state_kernel, kernels.finish_kernel, kernels.grad_kernel,
                    kernels.block_kernel):  # fmt: skip
         signature: dict[str, str] = {}
         constants: dict[str, object] = {}
         for name in kernel.arg_names:
             if name in flags or name in ("BR", "BC"):
-                signature[name], constants[name] = "constexpr", flags.get(name, {"BR": 8, "BC": 256}.get(name))
+                signature[name], constants[name] = "constexpr", flags.get(name, tile.get(name))
             elif _OPTIONAL.get(name) in kernel.arg_names and not flags[_OPTIONAL[name]]:
                 signature[name], constants[name] = "constexpr", None  # an input the op was not given
             elif name.endswith("_ptr"):

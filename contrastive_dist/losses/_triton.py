@@ -86,19 +86,28 @@ def available(tensor: Tensor) -> bool:
     return choice == "triton" and _interpreting()
 
 
-def _tile(product: Tensor) -> tuple[int, int]:
-    """Rows × columns of a program's tile: long along whichever direction the product is contiguous in."""
-    if _interpreting():
-        return 8, 16  # small tiles: the tests cover several tiles, tails and spans on small blocks
-    return (8, 256) if product.stride(1) == 1 else (64, 64)
-
-
 @functools.cache
 def _programs_wanted(device: torch.device) -> int:
     """Enough programs to fill the device: four per streaming multiprocessor."""
     if device.type != "cuda":
         return 4
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _tile(product: Tensor, whole_rows: bool = False) -> tuple[int, int]:
+    """Rows × columns of a program's tile: long along whichever direction the product is contiguous in.
+
+    ``whole_rows``: each program owns whole rows (:func:`softmax_block`), so fewer rows per tile keep
+    enough programs running when the block has few rows.
+    """
+    if _interpreting():
+        return 16, 32  # small tiles: the tests cover several tiles, tails and spans on small blocks
+    if product.stride(1) != 1:
+        return 64, 64
+    rows = 8
+    while whole_rows and rows > 1 and math.ceil(product.shape[0] / rows) < _programs_wanted(product.device):
+        rows //= 2
+    return rows, 2048 // rows
 
 
 def _span(product: Tensor, splits: int) -> tuple[int, int]:
@@ -270,7 +279,7 @@ def softmax_block(
     _check(product, scale, bias, {"positive": positive, "excluded": excluded, "weights": weights, "grad": grad})
     rows, columns = product.shape
     state = product.new_empty((rows, 5))
-    tile_rows, tile_columns = _tile(product)
+    tile_rows, tile_columns = _tile(product, whole_rows=True)
     if not rows:
         return state
     with _on(product):
