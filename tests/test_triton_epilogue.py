@@ -31,16 +31,17 @@ _CHILD = "CONTRASTIVE_DIST_TRITON_CHECKS"
 interpreted = pytest.mark.skipif(os.environ.get(_CHILD) != "1", reason="run by test_in_interpreter, in its process")
 
 
-compiled = pytest.mark.skipif(os.environ.get(_CHILD) == "1", reason="this is the interpreter's process")
+outside_interpreter = pytest.mark.skipif(os.environ.get(_CHILD) == "1", reason="this is the interpreter's process")
 
 
-@compiled
+@outside_interpreter
 def test_in_interpreter() -> None:
     """Every check below, in a fresh process under ``TRITON_INTERPRET=1``."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, _CHILD: "1", "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     env.pop(epilogue.EPILOGUE_VARIABLE, None)
-    checks = "not test_in_interpreter and not test_kernels_compile_for_cuda"  # this process's own
+    here = [name for name, test in globals().items() if outside_interpreter.mark in getattr(test, "pytestmark", [])]
+    checks = " and ".join(f"not {name}" for name in here)  # the others run in this process
     command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", checks]
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
@@ -323,7 +324,7 @@ _POINTERS = {"pos_ptr": "*i64", "excl_ptr": "*i64"}
 _OPTIONAL = {"bias_ptr": "HAS_BIAS", "pos_ptr": "HAS_POS", "excl_ptr": "HAS_EXCL", "w_ptr": "HAS_W", "g_ptr": "WRITE_G"}
 
 
-@compiled
+@outside_interpreter
 @pytest.mark.parametrize("every_input", [True, False], ids=["every_input", "fewest_inputs"])
 def test_kernels_compile_for_cuda(every_input: bool) -> None:
     """Each kernel compiles to a cubin for sm_90 (no GPU needed): what the interpreter cannot check.
@@ -367,3 +368,31 @@ def test_empty_blocks() -> None:
     sums, grad_sums = epilogue.sigmoid_block(torch.empty(3, 0), scale, None, positive, None, None, torch.empty(3, 0))
     assert not sums.any() and not grad_sums.any() and sums.shape == (3,)
     assert epilogue.softmax_state(torch.empty(0, 4), scale, None, None, None).shape == (0, 5)
+
+
+@outside_interpreter
+def test_traffic_counted_on_the_meta_device() -> None:
+    """Each op is one call to a dispatch mode, and moves the bytes per logit of the module's table."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Traffic(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[tuple[str, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func.namespace == "contrastive_dist":
+                self.calls.append((func._schema.name, epilogue.traffic(func, args, kwargs)))
+            return func(*args, **(kwargs or {}))
+
+    rows, columns = 256, 4096
+    product = torch.empty(rows, columns, device="meta")
+    grad = torch.empty(rows, columns, device="meta", dtype=torch.bfloat16)
+    scale, bias, positive = torch.empty((), device="meta"), None, torch.empty(rows, device="meta", dtype=torch.int64)
+    with Traffic() as counter:
+        epilogue.sigmoid_block(product, scale, bias, positive, None, None, grad)
+        state = epilogue.softmax_state(product, scale, bias, positive, None)
+        epilogue.softmax_grad(product, scale, bias, state, positive, None, None, grad, accumulate=True)
+        epilogue.softmax_block(product, scale, bias, positive, None, None, grad)
+    per_logit = [(name.split("::")[1], round(moved / product.numel())) for name, moved in counter.calls]
+    assert per_logit == [("sigmoid_block", 6), ("softmax_state", 4), ("softmax_grad", 8), ("softmax_block", 10)]

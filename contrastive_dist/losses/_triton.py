@@ -47,6 +47,7 @@ eager ones) and IEEE divisions; under ``TRITON_INTERPRET=1`` (tests, on CPU tens
 
 import math
 import os
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -54,7 +55,15 @@ from torch import Tensor
 from contrastive_dist.losses import _triton_kernels as kernels
 from contrastive_dist.losses import _triton_launch as launch
 
-__all__ = ["EPILOGUE_VARIABLE", "available", "sigmoid_block", "softmax_block", "softmax_grad", "softmax_state"]
+__all__ = [
+    "EPILOGUE_VARIABLE",
+    "available",
+    "sigmoid_block",
+    "softmax_block",
+    "softmax_grad",
+    "softmax_state",
+    "traffic",
+]
 
 EPILOGUE_VARIABLE = "CONTRASTIVE_DIST_EPILOGUE"
 """``auto`` / unset: the Triton epilogues on CUDA tensors, the eager chain elsewhere; ``eager``: never
@@ -216,3 +225,38 @@ def softmax_block(
 @softmax_block.register_fake
 def _(product, scale, bias, positive, excluded, weights, grad):  # type: ignore[no-untyped-def]
     return product.new_empty((product.shape[0], 5))
+
+
+_PASSES = {"sigmoid_block": 1, "softmax_state": 1, "softmax_grad": 1, "softmax_block": 2}
+"""How many times each op reads the product (softmax_block: the state's pass, then the gradient's)."""
+_STATE_WRITTEN = {"sigmoid_block": 8, "softmax_state": 20, "softmax_grad": 0, "softmax_block": 20}
+"""Bytes per row each op writes besides G: the row sums (two float32) or the state (five)."""
+
+
+def traffic(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> int:
+    """The bytes one call of an epilogue op moves through memory, from its arguments' shapes.
+
+    For a dispatch-mode counter: ``op`` is the op (or its name) as the mode sees it, ``args`` and
+    ``kwargs`` its arguments (meta or fake tensors do); the table of the module docstring, plus the
+    per-row reads and writes. Column spans' partial sums (``O(c)``) are left out.
+
+    Example:
+        >>> import torch
+        >>> product, grad = torch.empty(256, 4096, device="meta"), torch.empty(256, 4096, device="meta").bfloat16()
+        >>> traffic("softmax_block", (product, torch.empty(()), None, None, None, None, grad)) / product.numel()
+        10.0048828125
+    """
+    name = (op if isinstance(op, str) else op._schema.name).split("::")[-1]
+    schema = getattr(torch.ops.contrastive_dist, name).default._schema
+    bound = {argument.name: argument.default_value for argument in schema.arguments}
+    bound.update(zip((argument.name for argument in schema.arguments), args))
+    bound.update(kwargs or {})
+    product, grad = bound["product"], bound.get("grad")
+    rows = product.shape[0]
+    moved = _PASSES[name] * product.numel() * product.element_size() + _STATE_WRITTEN[name] * rows
+    if grad is not None:
+        moved += grad.numel() * grad.element_size() * (2 if bound.get("accumulate") else 1)
+    for row_input in ("positive", "excluded", "weights", "state"):
+        if bound.get(row_input) is not None:
+            moved += bound[row_input].numel() * bound[row_input].element_size()
+    return int(moved)
