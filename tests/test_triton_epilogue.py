@@ -271,14 +271,17 @@ def test_custom_ops_pass_opcheck() -> None:
     args = (block.product, block.scale, block.bias, block.positive, block.excluded)
     state = epilogue.softmax_state(*args)
     grad = torch.empty_like(block.product)
+    weights, other_direction = torch.rand(1), torch.randn(block.product.shape[::-1]).bfloat16()
     calls = [
-        (epilogue.sigmoid_block, (*args, None, grad.clone())),
-        (epilogue.softmax_state, args),
-        (epilogue.softmax_grad, (*args[:3], state, *args[3:], None, grad.clone())),
-        (epilogue.softmax_block, (*args, None, grad.clone())),
+        (epilogue.sigmoid_block, (*args, None, grad.clone()), {}),
+        (epilogue.sigmoid_block, (*args, weights, None), {"splits": 2}),
+        (epilogue.softmax_state, args, {"splits": 2}),
+        (epilogue.softmax_grad, (*args[:3], state, *args[3:], None, grad.clone()), {}),
+        (epilogue.softmax_grad, (*args[:3], state, *args[3:], weights, other_direction.T), {"accumulate": True}),
+        (epilogue.softmax_block, (*args, weights, grad.clone()), {}),
     ]
-    for op, op_args in calls:
-        torch.library.opcheck(op, op_args)
+    for op, op_args, op_kwargs in calls:
+        torch.library.opcheck(op, op_args, op_kwargs)
 
 
 @interpreted
