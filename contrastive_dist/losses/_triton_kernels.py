@@ -31,7 +31,6 @@ state_kernel: Any = None
 if triton is not None:
     _NO_CANDIDATE = tl.constexpr(-0.5 * MASKED)  # a row maximum below this: no candidate (see _targets.MASKED)
     _TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny, as _softmax clamps by
-    _SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus's: above it softplus(x) = x in float32
 
     @triton.jit
     def _exp(x, ACCURATE: tl.constexpr):
@@ -187,14 +186,12 @@ if triton is not None:
             # The margins −z·l; the excluded pair and the columns past the span are no term (-inf).
             margins = _candidates(tl.where(at_positive, -logits, logits), cols, col_ok, excl)
             margins = tl.where(row_ok[:, None], margins, float("-inf"))
-            # F.softplus: x above its threshold, else log1p(exp(x)) (0 at -inf).
-            # (exp of the clamped margin: the branch not taken stays finite.)
-            small = _log1p(_exp(tl.minimum(margins, _SOFTPLUS_THRESHOLD), ACCURATE), ACCURATE)
-            terms = tl.where(margins > _SOFTPLUS_THRESHOLD, margins, small)
-            sums += tl.sum(terms, axis=1)
+            # One exponential serves both: e = exp(−|x|) ∈ [0, 1] never overflows. softplus(x) =
+            # max(x, 0) + log1p(e) (F.softplus's value, which takes log1p(exp(x)) up to x = 20, then x:
+            # the same to rounding), and σ(x) = (1 or e) / (1 + e), precise for x ≪ 0 too.
+            small = _exp(-tl.abs(margins), ACCURATE)
+            sums += tl.sum(tl.maximum(margins, 0.0) + _log1p(small, ACCURATE), axis=1)  # 0 at -inf
             if WRITE_G:
-                # σ(x) from e = exp(−|x|): never overflows, and keeps its relative precision for x ≪ 0.
-                small = _exp(-tl.abs(margins), ACCURATE)
                 sigmoid = tl.math.div_rn(tl.where(margins >= 0, 1.0, small), 1.0 + small)
                 grad = tl.where(at_positive, -sigmoid, sigmoid) * weights[:, None]
                 grad_sums += tl.sum(grad, axis=1)
