@@ -1,0 +1,262 @@
+"""The fused block epilogues as Triton kernels (CUDA): what follows a block's product, one launch each.
+
+Each op reads the raw product ``P = Q Kᵀ`` of a block (``(c, m)`` float32, any strides: a
+direction seen transposed is passed as ``P.T``), a 0-d float32 ``scale`` and an optional 0-d
+``bias`` (device tensors, so nothing waits on the host), and forms the logits ``l = s · P (+ b)``
+inside the kernel. A row's targets are ``positive`` (``(c,)`` int64, its positive column, ``-1`` or
+any index outside ``[0, m)``: none in this block) and ``excluded`` (the same, a column whose logit
+is ``-inf``); key masks (ids, labels) stay on the eager path. The formulas are those of
+:mod:`._softmax` and :mod:`._sigmoid`, which remain the reference and the fallback; every op is one
+``torch.library.custom_op`` (with a fake implementation), so it is one node to ``torch.compile``::
+
+    sigmoid_block(product, scale, bias, positive, excluded, weights, grad, splits=0) -> (sums, grad_sums)
+        sums (c,) Σ_j softplus(−z·l_ij); with grad (c, m) given: grad ← G = −z·σ(−z·l)·w (the
+        unweighted G when weights is None) and grad_sums (c,) Σ_j G_ij (else zeros).
+    softmax_state(product, scale, bias, positive, excluded, splits=0) -> state
+        state (c, 5) float32: m, rest, exact, pos_sum, pos_count, as _softmax.block_state_.
+    softmax_grad(product, scale, bias, state, positive, excluded, weights, grad, accumulate=False) -> None
+        grad ← (or += with accumulate) w·(p − t) from the rows' final state (merged over blocks),
+        the positive's entry without cancellation, as _softmax.gradient_; rows without positive: 0.
+    softmax_block(product, scale, bias, positive, excluded, weights, grad) -> state
+        softmax_state then softmax_grad in one launch (gather mode: each row complete in this block).
+
+``grad``: ``(c, m)``, float32 / bf16 / fp16, any strides (the half dtypes hold the unweighted G:
+apply the row weights after the product, where fp16 cannot underflow); ``weights``: ``(c,)`` float32
+or ``None`` (1). ``grad`` may be ``product`` itself (float32) in ``sigmoid_block`` and
+``softmax_block``, whose programs each read their rows before writing them, and in
+``softmax_grad`` without ``accumulate``, where each program reads and writes its own tile only.
+``splits``: how many column spans the rows' sums are cut into, for parallelism (0: chosen from the
+shapes and the device); the spans' partial results are merged exactly as blocks are.
+
+Memory traffic per logit (4-byte P read, G written at its dtype's size) and launches per call:
+
+=================  ==========================================  ===============  ==========================
+op                 reads / writes                              bytes per logit  launches
+=================  ==========================================  ===============  ==========================
+sigmoid_block      P (4), G (2 bf16 / 4 fp32)                  6 / 8 (4 alone)  1 (+1 row sum when split)
+softmax_state      P (4)                                       4                1 (+1 merge when split)
+softmax_grad       P (4), G (2 / 4; accumulate reads G: +2/4)  6 / 8 (8 / 12)   1
+softmax_block      P twice (8), G (2 / 4)                      10 / 12          1
+=================  ==========================================  ===============  ==========================
+
+Outputs are allocated empty (no fill launch); the per-row reads (targets, weights, state) add
+``O(c)`` bytes. On CUDA the kernels take libdevice's ``exp`` and ``log1p`` (within 2 ulp of the
+eager ones) and IEEE divisions; under ``TRITON_INTERPRET=1`` (tests, on CPU tensors) numpy's, with
+``log1p`` formed from ``log``.
+"""
+
+import math
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from contrastive_dist.losses import _triton_kernels as kernels
+from contrastive_dist.losses import _triton_launch as launch
+
+__all__ = [
+    "EPILOGUE_VARIABLE",
+    "available",
+    "sigmoid_block",
+    "softmax_block",
+    "softmax_grad",
+    "softmax_state",
+    "traffic",
+]
+
+EPILOGUE_VARIABLE = "CONTRASTIVE_DIST_EPILOGUE"
+"""``auto`` / unset: the Triton epilogues on CUDA tensors, the eager chain elsewhere; ``eager``: never
+Triton; ``triton``: Triton wherever it runs, CPU tensors included when ``TRITON_INTERPRET=1``."""
+_CHOICES = ("auto", "eager", "triton")
+
+
+def available(tensor: Tensor) -> bool:
+    """Whether the blocks of ``tensor``'s device take the Triton epilogues (see :data:`EPILOGUE_VARIABLE`).
+
+    Example:
+        >>> import torch
+        >>> available(torch.zeros(2, 3))  # a CPU tensor: the eager chain, unless asked otherwise
+        False
+    """
+    choice = os.environ.get(EPILOGUE_VARIABLE, "") or "auto"
+    if choice not in _CHOICES:
+        raise ValueError(f"{EPILOGUE_VARIABLE} must be one of {_CHOICES} (or unset), got {choice!r}")
+    if choice == "eager" or kernels.triton is None:
+        return False
+    if tensor.is_cuda:
+        return True
+    return choice == "triton" and launch.interpreting()
+
+
+@torch.library.custom_op("contrastive_dist::sigmoid_block", mutates_args=("grad",))
+def sigmoid_block(
+    product: Tensor,
+    scale: Tensor,
+    bias: Tensor | None,
+    positive: Tensor | None,
+    excluded: Tensor | None,
+    weights: Tensor | None,
+    grad: Tensor | None,
+    splits: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """SigLIP's pair terms of one block: the rows' sums and, into ``grad``, their logit gradient.
+
+    Shape:
+        product, grad: ``(c, m)``; scale, bias: ``()``; positive, excluded, weights: ``(c,)``;
+        outputs: ``(c,)``, ``(c,)``.
+    """
+    launch.check(product, scale, bias, {"positive": positive, "excluded": excluded, "weights": weights, "grad": grad})
+    rows, columns = product.shape
+    if not (rows and columns):
+        return product.new_zeros(rows), product.new_zeros(rows)
+    splits, span = launch.span(product, splits)
+    # Every slot is written by the kernel (grad_sums zeros without grad): no fill launch.
+    sums, grad_sums = product.new_empty((splits, rows)), product.new_empty((splits, rows))
+    tile_rows, tile_columns = launch.tile(product)
+    g_strides = grad.stride() if grad is not None else (0, 0)
+    with launch.on(product):
+        kernels.sigmoid_kernel[(math.ceil(rows / tile_rows), splits)](
+            product, *product.stride(), scale, bias, positive, excluded, weights,
+            grad, *g_strides, sums, grad_sums, rows, columns, span,
+            **launch.flags(bias, positive, excluded), HAS_W=weights is not None, WRITE_G=grad is not None,
+            BR=tile_rows, BC=tile_columns, ACCURATE=not launch.interpreting(),
+        )  # fmt: skip
+    return (sums[0], grad_sums[0]) if splits == 1 else (sums.sum(0), grad_sums.sum(0))
+
+
+@sigmoid_block.register_fake
+def _(product, scale, bias, positive, excluded, weights, grad, splits=0):  # type: ignore[no-untyped-def]
+    return product.new_empty(product.shape[0]), product.new_empty(product.shape[0])
+
+
+@torch.library.custom_op("contrastive_dist::softmax_state", mutates_args=())
+def softmax_state(
+    product: Tensor, scale: Tensor, bias: Tensor | None, positive: Tensor | None, excluded: Tensor | None,
+    splits: int = 0,
+) -> Tensor:  # fmt: skip
+    """The softmax rows' state over one block (``_softmax.block_state_`` with one positive per row).
+
+    Shape:
+        product: ``(c, m)``; scale, bias: ``()``; positive, excluded: ``(c,)``; output: ``(c, 5)``.
+    """
+    launch.check(product, scale, bias, {"positive": positive, "excluded": excluded})
+    rows, columns = product.shape
+    splits, span = launch.span(product, splits)
+    state = product.new_empty((rows, 5))
+    tile_rows, tile_columns = launch.tile(product)
+    if not rows:
+        return state
+    grid = (math.ceil(rows / tile_rows), splits)
+    targets = launch.flags(bias, positive, excluded)
+    with launch.on(product):
+        out = state if splits == 1 else product.new_empty((splits, rows, 3))
+        kernels.state_kernel[grid](
+            product, *product.stride(), scale, bias, positive, excluded, out, rows, columns, span,
+            **targets, SINGLE=splits == 1, BR=tile_rows, BC=tile_columns, ACCURATE=not launch.interpreting(),
+        )  # fmt: skip
+        if splits > 1:
+            kernels.finish_kernel[grid[:1]](
+                out, splits, positive, excluded, state, rows, columns, HAS_POS=targets["HAS_POS"],
+                HAS_EXCL=targets["HAS_EXCL"], BR=tile_rows, ACCURATE=not launch.interpreting(),
+            )  # fmt: skip
+    return state
+
+
+@softmax_state.register_fake
+def _(product, scale, bias, positive, excluded, splits=0):  # type: ignore[no-untyped-def]
+    return product.new_empty((product.shape[0], 5))
+
+
+@torch.library.custom_op("contrastive_dist::softmax_grad", mutates_args=("grad",))
+def softmax_grad(
+    product: Tensor, scale: Tensor, bias: Tensor | None, state: Tensor, positive: Tensor | None,
+    excluded: Tensor | None, weights: Tensor | None, grad: Tensor, accumulate: bool = False,
+) -> None:  # fmt: skip
+    """``grad`` ← (``+=`` with ``accumulate``) the softmax gradient of one block from the rows' final state.
+
+    Shape:
+        product, grad: ``(c, m)``; scale, bias: ``()``; state: ``(c, 5)``; positive, excluded, weights: ``(c,)``.
+    """
+    launch.check(product, scale, bias, {"positive": positive, "excluded": excluded, "weights": weights,
+                                  "state": state, "grad": grad})  # fmt: skip
+    rows, columns = product.shape
+    tile_rows, tile_columns = launch.tile(product)
+    if not (rows and columns):
+        return
+    with launch.on(product):
+        kernels.grad_kernel[(math.ceil(rows / tile_rows), math.ceil(columns / tile_columns))](
+            product, *product.stride(), scale, bias, state, positive, excluded, weights,
+            grad, *grad.stride(), rows, columns, **launch.flags(bias, positive, excluded), HAS_W=weights is not None,
+            ACCUMULATE=accumulate, BR=tile_rows, BC=tile_columns, ACCURATE=not launch.interpreting(),
+        )  # fmt: skip
+
+
+@softmax_grad.register_fake
+def _(product, scale, bias, state, positive, excluded, weights, grad, accumulate=False):  # type: ignore[no-untyped-def]
+    return None
+
+
+@torch.library.custom_op("contrastive_dist::softmax_block", mutates_args=("grad",))
+def softmax_block(
+    product: Tensor, scale: Tensor, bias: Tensor | None, positive: Tensor | None, excluded: Tensor | None,
+    weights: Tensor | None, grad: Tensor,
+) -> Tensor:  # fmt: skip
+    """:func:`softmax_state` and :func:`softmax_grad` of a block that holds its rows' every column, one launch.
+
+    Shape:
+        product, grad: ``(c, m)``; scale, bias: ``()``; positive, excluded, weights: ``(c,)``; output: ``(c, 5)``.
+    """
+    launch.check(product, scale, bias, {"positive": positive, "excluded": excluded, "weights": weights, "grad": grad})
+    rows, columns = product.shape
+    state = product.new_empty((rows, 5))
+    tile_rows, tile_columns = launch.tile(product, whole_rows=True)
+    if not rows:
+        return state
+    with launch.on(product):
+        kernels.block_kernel[(math.ceil(rows / tile_rows),)](
+            product, *product.stride(), scale, bias, positive, excluded, weights, state,
+            grad, *grad.stride(), rows, columns, **launch.flags(bias, positive, excluded), HAS_W=weights is not None,
+            BR=tile_rows, BC=tile_columns, ACCURATE=not launch.interpreting(),
+        )  # fmt: skip
+    return state
+
+
+@softmax_block.register_fake
+def _(product, scale, bias, positive, excluded, weights, grad):  # type: ignore[no-untyped-def]
+    return product.new_empty((product.shape[0], 5))
+
+
+_PASSES = {"sigmoid_block": 1, "softmax_state": 1, "softmax_grad": 1, "softmax_block": 2}
+"""How many times each op reads the product (softmax_block: the state's pass, then the gradient's)."""
+_STATE_WRITTEN = {"sigmoid_block": 8, "softmax_state": 20, "softmax_grad": 0, "softmax_block": 20}
+"""Bytes per row each op writes besides G: the row sums (two float32) or the state (five)."""
+
+
+def traffic(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> int:
+    """The bytes one call of an epilogue op moves through memory, from its arguments' shapes.
+
+    For a dispatch-mode counter: ``op`` is the op (or its name) as the mode sees it, ``args`` and
+    ``kwargs`` its arguments (meta or fake tensors do); the table of the module docstring, plus the
+    per-row reads and writes. Column spans' partial sums (``O(c)``) are left out.
+
+    Example:
+        >>> import torch
+        >>> product, grad = torch.empty(256, 4096, device="meta"), torch.empty(256, 4096, device="meta").bfloat16()
+        >>> traffic("softmax_block", (product, torch.empty(()), None, None, None, None, grad)) / product.numel()
+        10.0048828125
+    """
+    name = (op if isinstance(op, str) else op._schema.name).split("::")[-1]
+    schema = getattr(torch.ops.contrastive_dist, name).default._schema
+    bound = {argument.name: argument.default_value for argument in schema.arguments}
+    bound.update(zip((argument.name for argument in schema.arguments), args))
+    bound.update(kwargs or {})
+    product, grad = bound["product"], bound.get("grad")
+    rows = product.shape[0]
+    moved = _PASSES[name] * product.numel() * product.element_size() + _STATE_WRITTEN[name] * rows
+    if grad is not None:
+        moved += grad.numel() * grad.element_size() * (2 if bound.get("accumulate") else 1)
+    for row_input in ("positive", "excluded", "weights", "state"):
+        if bound.get(row_input) is not None:
+            moved += bound[row_input].numel() * bound[row_input].element_size()
+    return int(moved)

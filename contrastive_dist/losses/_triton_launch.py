@@ -1,0 +1,93 @@
+"""How the Triton epilogues of :mod:`._triton` are launched: tiles, column spans, device, input checks."""
+
+import contextlib
+import functools
+import math
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+__all__ = ["check", "flags", "interpreting", "on", "span", "tile"]
+
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MIN_TILES_PER_SPLIT = 4  # a span shorter than this pays more in merging than it gains in programs
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its interpreter (``TRITON_INTERPRET``): numpy on CPU tensors, no libdevice."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@functools.cache
+def _programs_wanted(device: torch.device) -> int:
+    """Enough programs to fill the device: four per streaming multiprocessor."""
+    if device.type != "cuda":
+        return 4
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def tile(product: Tensor, whole_rows: bool = False) -> tuple[int, int]:
+    """Rows × columns of a program's tile: long along whichever direction the product is contiguous in.
+
+    ``whole_rows``: each program owns whole rows (:func:`._triton.softmax_block`), so fewer rows per tile keep
+    enough programs running when the block has few rows.
+    """
+    if interpreting():
+        return 16, 32  # small tiles: the tests cover several tiles, tails and spans on small blocks
+    if product.stride(1) != 1:
+        return 64, 64
+    rows = 8
+    while whole_rows and rows > 1 and math.ceil(product.shape[0] / rows) < _programs_wanted(product.device):
+        rows //= 2
+    return rows, 2048 // rows
+
+
+def span(product: Tensor, splits: int) -> tuple[int, int]:
+    """``(splits, span)``: the column spans of the rows' sums (``span`` a multiple of the tile's width)."""
+    rows, columns = product.shape
+    tile_rows, tile_columns = tile(product)
+    column_tiles = max(1, math.ceil(columns / tile_columns))
+    if splits <= 0:
+        splits = math.ceil(_programs_wanted(product.device) / math.ceil(max(rows, 1) / tile_rows))
+        splits = min(splits, column_tiles // _MIN_TILES_PER_SPLIT)
+    span = math.ceil(column_tiles / max(1, min(splits, column_tiles))) * tile_columns
+    return max(1, math.ceil(columns / span)), span
+
+
+@contextlib.contextmanager
+def on(product: Tensor) -> Iterator[None]:
+    """Launch on ``product``'s device (Triton launches on the current one)."""
+    with torch.cuda.device(product.device) if product.is_cuda else contextlib.nullcontext():
+        yield
+
+
+def check(product: Tensor, scale: Tensor, bias: Tensor | None, rows: dict[str, Tensor | None]) -> None:
+    """The ops' inputs, as the kernels read them: raise naming the expected and the given."""
+    if product.dim() != 2 or product.dtype != torch.float32:
+        raise TypeError(f"product must be a 2-D float32 tensor, got {product.dim()}-D {product.dtype}")
+    for name, scalar in (("scale", scale), ("bias", bias)):
+        if scalar is not None and (scalar.dim() != 0 or scalar.dtype != torch.float32):
+            raise TypeError(f"{name} must be a 0-d float32 tensor, got shape {tuple(scalar.shape)} {scalar.dtype}")
+    dtypes = {"positive": torch.int64, "excluded": torch.int64, "weights": torch.float32, "state": torch.float32}
+    for name, tensor in rows.items():
+        if tensor is None:
+            continue
+        if name == "grad":
+            if tensor.shape != product.shape or tensor.dtype not in _GRAD_DTYPES:
+                raise TypeError(
+                    f"grad must be {tuple(product.shape)} in one of {_GRAD_DTYPES}, "
+                    f"got {tuple(tensor.shape)} {tensor.dtype}"
+                )
+            continue
+        shape = (product.shape[0], 5) if name == "state" else (product.shape[0],)
+        if tuple(tensor.shape) != shape or tensor.dtype != dtypes[name] or not tensor.is_contiguous():
+            raise TypeError(
+                f"{name} must be a contiguous {shape} {dtypes[name]} tensor, got {tuple(tensor.shape)} {tensor.dtype}"
+            )
+
+
+def flags(bias: Tensor | None, positive: Tensor | None, excluded: Tensor | None) -> dict[str, bool]:
+    """The kernels' switches for the optional inputs (an absent one is a ``None`` pointer, never read)."""
+    return {"HAS_BIAS": bias is not None, "HAS_POS": positive is not None, "HAS_EXCL": excluded is not None}

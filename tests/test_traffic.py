@@ -1,0 +1,212 @@
+"""Memory traffic and launches of every loss on the CUDA path, counted on fake tensors (``tests/traffic.py``).
+
+The counter is checked first against hand-computed cases and its backward walk against the autograd
+engine; then each loss's block epilogue (everything but the matrix products), with half features on
+fake CUDA tensors (half products: the route a GPU takes), against the targets below. The counts are
+a property of the code, not of a machine: exact and the same on every run.
+
+``python tests/test_traffic.py`` prints the counts of every loss, call and dtype as a Markdown table.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+import contrastive_dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+import traffic  # noqa: E402 - a helper module of the tests, beside this file
+
+SIGLIP_BYTES_PER_LOGIT = 16
+"""SigLIP's epilogue: at most this many bytes read and written per logit, forward + backward."""
+INFONCE_BYTES_PER_LOGIT = 24
+"""Symmetric InfoNCE's epilogue, both directions, per logit of its ``n × n`` matrix."""
+LAUNCHES_PER_CHUNK_VISIT = 12
+"""Epilogue launches per chunk of rows meeting a block of columns, forward + backward."""
+
+ROWS, DIM, CHUNK = 2048, 32, 256
+"""Counting sizes: samples, feature dimension, chunk of the chunked call. ``D / N`` about a GPU run's
+(768 / 64k): the per-call passes over the features weigh in the bytes per logit as they would there;
+``D`` differs from every other size, which tells the logit products apart."""
+LOSSES = ("info_nce", "siglip", "nt_xent", "supcon")
+SYMMETRIC = ("nt_xent", "supcon")
+"""Losses of ``2n`` rows against ``2n`` columns (two views per sample)."""
+
+
+def loss_call(loss: str, chunk: int | None) -> Callable[..., Tensor]:
+    """The public function, called with ``chunk_size=chunk`` and otherwise its defaults."""
+    function = getattr(contrastive_dist, loss)
+    return lambda *inputs: function(*inputs, chunk_size=chunk)
+
+
+def loss_inputs(loss: str, rows: int, dtype: torch.dtype, device: str = "cuda") -> Callable[[], list[Tensor]]:
+    """A maker of the loss's inputs: features (two views), SigLIP's learnable scale and bias, SupCon's labels."""
+
+    def features(*shape: int) -> Tensor:
+        return torch.nn.functional.normalize(torch.randn(*shape, dtype=torch.float64), dim=-1).to(device, dtype)
+
+    def make() -> list[Tensor]:
+        if loss == "supcon":
+            return [features(rows, 2, DIM).requires_grad_(), torch.arange(rows, device=device) // 4]
+        pair = [features(rows, DIM).requires_grad_(), features(rows, DIM).requires_grad_()]
+        if loss == "siglip":
+            pair += [torch.tensor(10.0, device=device, requires_grad=True),
+                     torch.tensor(-10.0, device=device, requires_grad=True)]  # fmt: skip
+        return pair
+
+    return make
+
+
+def matrix_side(loss: str, rows: int) -> int:
+    """Rows (= columns) of the loss's similarity matrix."""
+    return 2 * rows if loss in SYMMETRIC else rows
+
+
+def tally(loss: str, chunk: int | None, dtype: torch.dtype, rows: int = ROWS) -> traffic.Tally:
+    return traffic.count(loss_call(loss, chunk), loss_inputs(loss, rows, dtype), dim=DIM)
+
+
+def bytes_per_logit(loss: str, chunk: int | None, dtype: torch.dtype) -> float:
+    return tally(loss, chunk, dtype).epilogue_bytes / matrix_side(loss, ROWS) ** 2
+
+
+def launches_per_chunk_visit(loss: str, dtype: torch.dtype, chunk: int = CHUNK) -> float:
+    """Epilogue launches each chunk of rows adds: the difference between ``chunk`` and ``2 · chunk``.
+
+    Fixed per-call launches (checks, allocations, the reduction) cancel out; what remains is the
+    per-chunk cost of forward and backward, every direction and recomputation included.
+    """
+    side = matrix_side(loss, ROWS)
+    extra_chunks = side // chunk - side // (2 * chunk)
+    return (tally(loss, chunk, dtype).epilogue - tally(loss, 2 * chunk, dtype).epilogue) / extra_chunks
+
+
+# The counter itself, against sizes worked out by hand.
+
+
+def _ops(function: Callable[..., object], *tensors: Tensor) -> list[traffic.Op]:
+    with traffic.fake_cuda():
+        fakes = [torch.empty(t.shape, dtype=t.dtype, device="cuda") for t in tensors]
+        with traffic.Traffic() as counter:
+            function(*fakes)
+    return counter.ops
+
+
+def test_an_add_reads_both_operands_and_writes_its_result() -> None:
+    a, b = torch.zeros(3, 5), torch.zeros(3, 5)
+    assert [(op.name, op.bytes, op.inner, op.device) for op in _ops(torch.add, a, b)] == [
+        ("aten.add.Tensor", 3 * 60, None, "cuda")
+    ]
+
+
+def test_in_place_and_write_only_operators() -> None:
+    a, b = torch.zeros(3, 5), torch.zeros(3, 5)
+    assert [op.bytes for op in _ops(lambda x, y: x.add_(y), a, b)] == [3 * 60]  # reads x, y; writes x
+    assert [op.bytes for op in _ops(lambda x, y: x.copy_(y), a, b)] == [2 * 60]  # x is only written
+    assert [op.bytes for op in _ops(lambda x: x.zero_(), a)] == [60]
+
+
+def test_views_are_free_and_an_expanded_operand_reads_once() -> None:
+    a, b = torch.zeros(1, 5), torch.zeros(4, 5)
+    ops = _ops(lambda x, y: (x.T, x[0], x.view(5), x.expand(4, 5) + y), a, b)
+    assert [(op.name, op.bytes) for op in ops] == [("aten.add.Tensor", 20 + 80 + 80)]
+
+
+def test_products_stand_apart_with_their_inner_dimension() -> None:
+    q, k = torch.zeros(6, 3, dtype=torch.bfloat16), torch.zeros(4, 3, dtype=torch.bfloat16)
+    ops = _ops(lambda x, y: torch.mm(x, y.T, out_dtype=torch.float32), q, k)
+    assert [(op.name, op.bytes, op.inner) for op in ops] == [("aten.mm.dtype", 2 * 18 + 2 * 12 + 4 * 24, 3)]
+    tally = traffic.Tally.of(ops, dim=3)
+    assert (tally.products, tally.logit_blocks, tally.epilogue, tally.epilogue_bytes) == (1, 1, 0, 0)
+
+
+def test_indexed_reads_and_writes_touch_only_their_elements() -> None:
+    logits, index = torch.zeros(8, 100), torch.zeros(8, 1, dtype=torch.int64)
+    picked = _ops(lambda x, i: x.gather(1, i), logits, index)
+    assert [op.bytes for op in picked] == [8 * 8 + 2 * 8 * 4]  # the index, 8 floats read, 8 written
+    written = _ops(lambda x, i: x.scatter_(1, i, torch.ones(8, 1, device="cuda")), logits, index)
+    assert [op.bytes for op in written] == [4 * 8, 8 * 8 + 8 * 4 + 8 * 4]  # ones; then index, source, 8 writes
+
+
+def test_a_value_read_back_is_a_host_read_not_a_launch() -> None:
+    ops = _ops(lambda x: bool((x > 0).all()), torch.zeros(10))
+    tally = traffic.Tally.of(ops, dim=1)
+    assert (tally.epilogue, tally.host_reads) == (2, 1)
+
+
+@torch.library.custom_op("traffic_test::scaled_add", mutates_args=())
+def _scaled_add(x: Tensor, y: Tensor) -> Tensor:
+    return 2 * x + y
+
+
+@_scaled_add.register_fake
+def _(x: Tensor, y: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
+def test_a_custom_operator_is_one_launch() -> None:
+    a, b = torch.zeros(3, 5), torch.zeros(3, 5)
+    assert [(op.name, op.bytes) for op in _ops(_scaled_add, a, b)] == [("traffic_test.scaled_add.default", 180)]
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_backward_walk_matches_the_autograd_engine(loss: str, chunk: int | None) -> None:
+    inputs = loss_inputs(loss, 7, torch.float64, device="cpu")
+    torch.manual_seed(0)
+    engine = inputs()
+    torch.manual_seed(0)
+    walked = inputs()
+    loss_call(loss, chunk)(*engine).backward()
+    traffic.backward(loss_call(loss, chunk)(*walked))
+    for expected, got in zip(engine, walked):
+        if expected.requires_grad:
+            torch.testing.assert_close(got.grad, expected.grad, rtol=1e-12, atol=1e-12)
+
+
+# The losses' epilogues on the CUDA path (bf16 features, half products).
+
+
+@pytest.mark.parametrize("chunk", [None, CHUNK])
+@pytest.mark.parametrize(
+    ("loss", "target"), [("siglip", SIGLIP_BYTES_PER_LOGIT), ("info_nce", INFONCE_BYTES_PER_LOGIT)]
+)
+def test_epilogue_bytes_per_logit(loss: str, target: float, chunk: int | None) -> None:
+    assert bytes_per_logit(loss, chunk, torch.bfloat16) <= target
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_epilogue_launches_per_chunk_visit(loss: str) -> None:
+    assert launches_per_chunk_visit(loss, torch.bfloat16) <= LAUNCHES_PER_CHUNK_VISIT
+
+
+def table(dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16)) -> str:
+    """The counts of every loss, call and dtype as a Markdown table."""
+    lines = [
+        f"n = {ROWS}, D = {DIM}, fake CUDA tensors, forward + backward, gather mode (no process group)\n",
+        "| loss | call | dtype | products | logit blocks | epilogue launches | launches / chunk-visit "
+        "| epilogue bytes / logit | host reads |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for loss in LOSSES:
+        for chunk in (None, CHUNK):
+            for dtype in dtypes:
+                counted = tally(loss, chunk, dtype)
+                # The default call chooses its own chunks: no second size to difference against.
+                per_visit = f"{launches_per_chunk_visit(loss, dtype):.1f}" if chunk else "—"
+                lines.append(
+                    f"| {loss} | {'default' if chunk is None else f'chunk{chunk}'} | {str(dtype).split('.')[1]} "
+                    f"| {counted.products} | {counted.logit_blocks} | {counted.epilogue} | {per_visit} "
+                    f"| {counted.epilogue_bytes / matrix_side(loss, ROWS) ** 2:.1f} | {counted.host_reads} |"
+                )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table())

@@ -1,0 +1,401 @@
+"""The Triton block epilogues against the eager family functions and a float64 reference.
+
+The kernels run in Triton's interpreter on CPU tensors, in a process of their own: Triton decides
+between compiling and interpreting when a function is defined, its own library included, so
+``TRITON_INTERPRET=1`` must be set before it is first imported. :func:`test_in_interpreter` runs
+this file's checks in such a process. Blocks are small (the interpreter is slow) but span several
+tiles, ragged tails and column spans.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+pytest.importorskip("triton")
+
+from contrastive_dist.losses import _sigmoid, _softmax  # noqa: E402
+from contrastive_dist.losses import _triton as epilogue  # noqa: E402
+from contrastive_dist.losses._targets import Located, Targets  # noqa: E402
+
+_CHILD = "CONTRASTIVE_DIST_TRITON_CHECKS"
+"""Set in the interpreter's process: the checks run there, and only there."""
+interpreted = pytest.mark.skipif(os.environ.get(_CHILD) != "1", reason="run by test_in_interpreter, in its process")
+
+
+outside_interpreter = pytest.mark.skipif(os.environ.get(_CHILD) == "1", reason="this is the interpreter's process")
+
+
+@outside_interpreter
+def test_in_interpreter() -> None:
+    """Every check below, in a fresh process under ``TRITON_INTERPRET=1``."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, _CHILD: "1", "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    env.pop(epilogue.EPILOGUE_VARIABLE, None)
+    here = [name for name, test in globals().items() if outside_interpreter.mark in getattr(test, "pytestmark", [])]
+    checks = " and ".join(f"not {name}" for name in here)  # the others run in this process
+    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", checks]
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    summary = done.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary, done.stdout[-3000:]  # every check ran
+
+
+class Block(NamedTuple):
+    product: Tensor  # (c, m) float32, possibly a transposed view
+    scale: Tensor
+    bias: Tensor | None
+    positive: Tensor  # (c,) int64, -1: none
+    excluded: Tensor | None
+
+    @property
+    def logits(self) -> Tensor:
+        """The float32 logits as the kernels form them: the references start from the same numbers."""
+        logits = self.product * self.scale
+        return logits if self.bias is None else logits + self.bias
+
+    def targets(self) -> Targets:
+        def located(index: Tensor | None) -> Located | None:
+            if index is None:
+                return None
+            return Located(index.clamp(0, self.product.shape[1] - 1)[:, None], index >= 0)
+
+        return Targets(located(self.positive), located(self.excluded))
+
+
+def _block(case: str, seed: int = 0) -> Block:
+    """A block with the edge cases named by ``case``; positives absent in some rows, excluded columns elsewhere."""
+    generator = torch.Generator().manual_seed(seed)
+    c, m = {"single_row": (1, 53), "only_candidate": (3, 2)}.get(case, (37, 53))
+    product = torch.randn(c, m, generator=generator)
+    if case == "transposed":
+        product = torch.randn(m, c, generator=generator).T  # strides (1, c): the column direction
+    scale = torch.tensor(100.0 if case == "large" else 3.0)
+    bias = None if case == "transposed" else torch.tensor(-2.5)
+    positive = torch.randint(0, m, (c,), generator=generator)
+    positive[::4] = -1
+    excluded = (positive + 1 + torch.randint(0, m - 1, (c,), generator=generator)) % m  # never the positive
+    excluded[1::3] = -1
+    if case == "only_candidate":  # row 0's positive is its only candidate: loss exactly 0
+        positive, excluded = torch.tensor([0, 1, -1]), torch.tensor([1, -1, 0])
+    return Block(product, scale, bias, positive, None if case == "single_row" else excluded)
+
+
+CASES = ["random", "single_row", "only_candidate", "large", "transposed"]
+
+
+def _candidates(block: Block) -> Tensor:
+    keep = torch.ones(block.product.shape, dtype=torch.bool)
+    if block.excluded is not None:
+        rows = torch.nonzero(block.excluded >= 0).squeeze(1)
+        keep[rows, block.excluded[rows]] = False
+    return keep
+
+
+def softmax_reference(block: Block, weights: Tensor) -> tuple[Tensor, Tensor]:
+    """float64, row by row: ``ℓ_i = logsumexp_j l_ij − l_ip`` over the candidates, and ``w_i (p_ij − t_ij)``."""
+    logits, keep = block.logits.double(), _candidates(block)
+    losses, grad = torch.zeros(logits.shape[0], dtype=torch.float64), torch.zeros_like(logits)
+    for row, positive in enumerate(block.positive.tolist()):
+        if positive < 0:
+            continue  # no positive: no loss, no gradient
+        losses[row] = torch.logsumexp(logits[row][keep[row]], 0) - logits[row, positive]
+        grad[row][keep[row]] = torch.softmax(logits[row][keep[row]], 0)
+        grad[row, positive] -= 1.0
+        grad[row] *= weights[row].double()
+    return losses, grad
+
+
+def sigmoid_reference(block: Block, weights: Tensor) -> tuple[Tensor, Tensor]:
+    """float64: ``Σ_j softplus(−z l)`` over the pairs that are terms, and ``−z σ(−z l) w``."""
+    logits, keep = block.logits.double(), _candidates(block)
+    signs = -torch.ones_like(logits)
+    rows = torch.nonzero(block.positive >= 0).squeeze(1)
+    signs[rows, block.positive[rows]] = 1.0
+    terms = torch.where(keep, F.softplus(-signs * logits), 0.0)
+    grad = torch.where(keep, -signs * torch.sigmoid(-signs * logits), 0.0) * weights.double()[:, None]
+    return terms.sum(1), grad
+
+
+def _close(actual: Tensor, expected: Tensor, rtol: float = 2e-6, atol: float = 1e-7) -> None:
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol)
+
+
+def _weights(block: Block) -> Tensor:
+    return torch.rand(block.product.shape[0], generator=torch.Generator().manual_seed(1)) + 0.5
+
+
+@interpreted
+@pytest.mark.parametrize("case", CASES)
+def test_softmax_state_and_gradient(case: str) -> None:
+    """State (one span and several), gradient and the fused block equal the eager chain and float64."""
+    block, weights = _block(case), None
+    eager_numerators = block.logits.clone()
+    eager_state = _softmax.block_state_(eager_numerators, block.targets(), None)
+    weights = _weights(block)
+    eager_grad = _softmax.gradient_(eager_numerators, eager_state, block.targets(), None, weights)
+    losses, grad = softmax_reference(block, weights)
+    args = (block.product, block.scale, block.bias, block.positive, block.excluded)
+    for splits in (1, 3):
+        state = epilogue.softmax_state(*args, splits=splits)
+        _close(state, eager_state)
+        _close(_softmax.finish(state), losses, rtol=1e-5, atol=1e-6)
+    fused_grad = torch.empty_like(block.product)
+    fused_state = epilogue.softmax_block(*args, weights, fused_grad)
+    _close(fused_state, eager_state)
+    separate_grad = torch.empty_like(block.product)
+    epilogue.softmax_grad(*args[:3], fused_state, *args[3:], weights, separate_grad)
+    assert torch.equal(separate_grad, fused_grad)
+    _close(fused_grad, eager_grad)
+    _close(fused_grad, grad, rtol=1e-5, atol=1e-6)
+    if case == "only_candidate":
+        assert _softmax.finish(fused_state)[0].item() == 0.0 and not fused_grad[0].any()
+
+
+def _rounded(values: Tensor, dtype: torch.dtype) -> Tensor:
+    """``values`` (float32) as the kernels store them in ``dtype``, within what the interpreter can show.
+
+    CUDA rounds to nearest even; Triton's interpreter truncates float32 to bf16: one bf16 ulp apart.
+    """
+    if dtype != torch.bfloat16:
+        return values.to(dtype)
+    return values.to(dtype), values.view(torch.int32).bitwise_and(-65536).view(torch.float32).to(dtype)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_softmax_gradient_dtypes_and_accumulation(dtype: torch.dtype) -> None:
+    """The unweighted G rounded once to the output dtype; ``accumulate`` adds onto a transposed view."""
+    block = _block("random")
+    args = (block.product, block.scale, block.bias)
+    state = epilogue.softmax_state(*args, block.positive, block.excluded)
+    full = torch.empty(block.product.shape)
+    epilogue.softmax_grad(*args, state, block.positive, block.excluded, None, full)
+    _close(full, softmax_reference(block, torch.ones(37))[1], rtol=1e-5, atol=1e-6)
+    grad = torch.empty(block.product.shape, dtype=dtype)
+    epilogue.softmax_grad(*args, state, block.positive, block.excluded, None, grad)
+    _assert_rounded(grad, full)
+    earlier = torch.randn(block.product.shape[::-1]).to(dtype)  # laid out as the other direction's G
+    summed = earlier.clone().T
+    epilogue.softmax_grad(*args, state, block.positive, block.excluded, None, summed, accumulate=True)
+    _assert_rounded(summed, earlier.T.float() + full)
+
+
+def _assert_rounded(stored: Tensor, values: Tensor) -> None:
+    """``stored`` is float32 ``values`` rounded once to its dtype (see :func:`_rounded`)."""
+    if stored.dtype != torch.bfloat16:
+        assert torch.equal(stored, values.to(stored.dtype))
+        return
+    nearest, truncated = _rounded(values, stored.dtype)
+    assert bool(((stored == nearest) | (stored == truncated)).all())
+
+
+@interpreted
+def test_softmax_states_merged_over_two_blocks() -> None:
+    """Two column blocks' states merged by _softmax.merge_ give each block's gradient of the whole row."""
+    block, weights = _block("random"), torch.ones(37)
+    losses, grad = softmax_reference(block, weights)
+    halves = []
+    state = _softmax.empty_state(37, block.product)
+    for start, stop in ((0, 30), (30, 53)):
+
+        def shifted(index: Tensor | None, start: int = start, stop: int = stop) -> Tensor | None:
+            inside = (index >= start) & (index < stop) if index is not None else None
+            return None if index is None else torch.where(inside, index - start, -1)  # type: ignore[arg-type]
+
+        part = (block.product[:, start:stop], block.scale, block.bias, shifted(block.positive), shifted(block.excluded))
+        _softmax.merge_(state, epilogue.softmax_state(*part))
+        halves.append(part)
+    _close(_softmax.finish(state), losses, rtol=1e-5, atol=1e-6)
+    out = torch.empty_like(block.product)
+    for (start, stop), part in zip(((0, 30), (30, 53)), halves):
+        epilogue.softmax_grad(*part[:3], state, *part[3:], None, out[:, start:stop])
+    _close(out, grad, rtol=1e-5, atol=1e-6)
+
+
+@interpreted
+@pytest.mark.parametrize(
+    ("case", "dtype"), [(case, torch.float32) for case in CASES] + [("random", torch.bfloat16)], ids=str
+)
+def test_sigmoid_block(case: str, dtype: torch.dtype) -> None:
+    """Row sums, G and its row sums equal the eager chain and float64, in one span and several."""
+    block = _block(case)
+    weights = _weights(block)
+    margins = block.logits.clone()
+    eager_sums = _sigmoid.block_state_(margins, block.targets(), None)[:, 0]
+    eager_grad = _sigmoid.gradient_(margins, eager_sums[:, None], block.targets(), None, weights)
+    sums, grad = sigmoid_reference(block, weights)
+    args = (block.product, block.scale, block.bias, block.positive, block.excluded)
+    for splits in (1, 2):
+        out = torch.empty(block.product.shape, dtype=dtype)
+        row_sums, grad_sums = epilogue.sigmoid_block(*args, weights, out, splits=splits)
+        _close(row_sums, eager_sums, rtol=1e-6, atol=1e-6)
+        _close(row_sums, sums, rtol=1e-6, atol=1e-6)
+        _close(out.float(), eager_grad, rtol=torch.finfo(dtype).eps, atol=1e-7)
+        _close(grad_sums, grad.sum(1), rtol=1e-5, atol=1e-5)
+    unweighted, _ = epilogue.sigmoid_block(*args, None, None)
+    _close(unweighted, sums, rtol=1e-6, atol=1e-6)
+
+
+@interpreted
+def test_gradient_written_in_place() -> None:
+    """``grad`` may be the product itself: each program reads its rows before it writes them."""
+    block = _block("random")
+    args = (block.scale, block.bias, block.positive, block.excluded, None)
+    expected_sums, expected_grad = sigmoid_reference(block, torch.ones(37))
+    product = block.product.clone()
+    sums, _ = epilogue.sigmoid_block(product, *args, product)
+    _close(sums, expected_sums, rtol=1e-6, atol=1e-6)
+    _close(product, expected_grad)
+    expected_grad = softmax_reference(block, torch.ones(37))[1]
+    product = block.product.clone()
+    state = epilogue.softmax_block(product, *args, product)
+    _close(product, expected_grad, rtol=1e-5, atol=1e-6)
+    product = block.product.clone()
+    epilogue.softmax_grad(product, *args[:2], state, *args[2:], product)
+    _close(product, expected_grad, rtol=1e-5, atol=1e-6)
+
+
+@interpreted
+def test_custom_ops_pass_opcheck() -> None:
+    """Schemas, fake implementations and autograd registration agree with the kernels."""
+    block = _block("single_row")
+    args = (block.product, block.scale, block.bias, block.positive, block.excluded)
+    state = epilogue.softmax_state(*args)
+    grad = torch.empty_like(block.product)
+    weights, other_direction = torch.rand(1), torch.randn(block.product.shape[::-1]).bfloat16()
+    calls = [
+        (epilogue.sigmoid_block, (*args, None, grad.clone()), {}),
+        (epilogue.sigmoid_block, (*args, weights, None), {"splits": 2}),
+        (epilogue.softmax_state, args, {"splits": 2}),
+        (epilogue.softmax_grad, (*args[:3], state, *args[3:], None, grad.clone()), {}),
+        (epilogue.softmax_grad, (*args[:3], state, *args[3:], weights, other_direction.T), {"accumulate": True}),
+        (epilogue.softmax_block, (*args, weights, grad.clone()), {}),
+    ]
+    for op, op_args, op_kwargs in calls:
+        torch.library.opcheck(op, op_args, op_kwargs)
+
+
+@interpreted
+def test_ops_trace_as_one_node_under_compile() -> None:
+    block = _block("single_row")
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def loss(product: Tensor) -> Tensor:
+        grad = torch.empty_like(product)
+        state = epilogue.softmax_block(product, block.scale, block.bias, block.positive, block.excluded, None, grad)
+        return _softmax.finish(state).sum() + grad.sum()
+
+    expected = _softmax.finish(epilogue.softmax_state(*block[:4], block.excluded)).sum()
+    torch.testing.assert_close(loss(block.product), expected, atol=1e-5, rtol=1e-5)
+
+
+@interpreted
+def test_bad_inputs_are_named() -> None:
+    block = _block("single_row")
+    with pytest.raises(TypeError, match="product must be a 2-D float32"):
+        epilogue.softmax_state(block.product.double(), block.scale, None, None, None)
+    with pytest.raises(TypeError, match="positive must be a contiguous"):
+        epilogue.softmax_state(block.product, block.scale, None, block.positive.int(), None)
+    with pytest.raises(TypeError, match="grad must be"):
+        epilogue.sigmoid_block(block.product, block.scale, None, None, None, None, torch.empty(2, 2))
+
+
+@interpreted
+def test_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.zeros(2)
+    monkeypatch.setenv(epilogue.EPILOGUE_VARIABLE, "triton")
+    assert epilogue.available(cpu)  # TRITON_INTERPRET=1 here
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not epilogue.available(cpu)
+    monkeypatch.setenv(epilogue.EPILOGUE_VARIABLE, "auto")
+    assert not epilogue.available(cpu)
+    monkeypatch.setenv(epilogue.EPILOGUE_VARIABLE, "fast")
+    with pytest.raises(ValueError, match="CONTRASTIVE_DIST_EPILOGUE must be one of"):
+        epilogue.available(cpu)
+
+
+_POINTERS = {"pos_ptr": "*i64", "excl_ptr": "*i64"}
+_OPTIONAL = {"bias_ptr": "HAS_BIAS", "pos_ptr": "HAS_POS", "excl_ptr": "HAS_EXCL", "w_ptr": "HAS_W", "g_ptr": "WRITE_G"}
+
+
+@outside_interpreter
+@pytest.mark.parametrize("every_input", [True, False], ids=["every_input", "fewest_inputs"])
+def test_kernels_compile_for_cuda(every_input: bool) -> None:
+    """Each kernel compiles to a cubin for sm_90 (no GPU needed): what the interpreter cannot check.
+
+    The absent inputs are ``None`` pointers, as the ops pass them; the divisions are IEEE (``div.rn``).
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from contrastive_dist.losses import _triton_kernels as kernels
+
+    if kernels.triton is None or not Path(kernels.triton.__file__).parent.joinpath("backends", "nvidia").exists():
+        pytest.skip("Triton without its NVIDIA backend")
+    flags = {"HAS_BIAS": every_input, "HAS_POS": every_input, "HAS_EXCL": every_input, "HAS_W": every_input,
+             "WRITE_G": every_input, "SINGLE": every_input, "ACCUMULATE": every_input, "ACCURATE": True}  # fmt: skip
+    tile = {"BR": 8, "BC": 256} if every_input else {"BR": 1, "BC": 2048}  # the widest and the narrowest
+    for kernel in (kernels.sigmoid_kernel, kernels.state_kernel, kernels.finish_kernel, kernels.grad_kernel,
+                   kernels.block_kernel):  # fmt: skip
+        signature: dict[str, str] = {}
+        constants: dict[str, object] = {}
+        for name in kernel.arg_names:
+            if name in flags or name in ("BR", "BC"):
+                signature[name], constants[name] = "constexpr", flags.get(name, tile.get(name))
+            elif _OPTIONAL.get(name) in kernel.arg_names and not flags[_OPTIONAL[name]]:
+                signature[name], constants[name] = "constexpr", None  # an input the op was not given
+            elif name.endswith("_ptr"):
+                signature[name] = _POINTERS.get(name, "*bf16" if name == "g_ptr" else "*fp32")
+            else:
+                signature[name] = "i32"
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+        binary = compile(source, target=GPUTarget("cuda", 90, 32))
+        assert "div.full" not in binary.asm["ptx"], kernel.fn.__name__
+
+
+@interpreted
+def test_empty_blocks() -> None:
+    """No columns: the rows' state is the empty one, their sums 0; no rows: empty outputs."""
+    scale, positive = torch.tensor(2.0), torch.tensor([0, -1, 1])
+    state = epilogue.softmax_state(torch.empty(3, 0), scale, None, positive, None)
+    assert torch.equal(state, _softmax.empty_state(3, state))
+    sums, grad_sums = epilogue.sigmoid_block(torch.empty(3, 0), scale, None, positive, None, None, torch.empty(3, 0))
+    assert not sums.any() and not grad_sums.any() and sums.shape == (3,)
+    assert epilogue.softmax_state(torch.empty(0, 4), scale, None, None, None).shape == (0, 5)
+
+
+@outside_interpreter
+def test_traffic_counted_on_the_meta_device() -> None:
+    """Each op is one call to a dispatch mode, and moves the bytes per logit of the module's table."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Traffic(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[tuple[str, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func.namespace == "contrastive_dist":
+                self.calls.append((func._schema.name, epilogue.traffic(func, args, kwargs)))
+            return func(*args, **(kwargs or {}))
+
+    rows, columns = 256, 4096
+    product = torch.empty(rows, columns, device="meta")
+    grad = torch.empty(rows, columns, device="meta", dtype=torch.bfloat16)
+    scale, bias, positive = torch.empty((), device="meta"), None, torch.empty(rows, device="meta", dtype=torch.int64)
+    with Traffic() as counter:
+        epilogue.sigmoid_block(product, scale, bias, positive, None, None, grad)
+        state = epilogue.softmax_state(product, scale, bias, positive, None)
+        epilogue.softmax_grad(product, scale, bias, state, positive, None, None, grad, accumulate=True)
+        epilogue.softmax_block(product, scale, bias, positive, None, None, grad)
+    per_logit = [(name.split("::")[1], round(moved / product.numel())) for name, moved in counter.calls]
+    assert per_logit == [("sigmoid_block", 6), ("softmax_state", 4), ("softmax_grad", 8), ("softmax_block", 10)]
