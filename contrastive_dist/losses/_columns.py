@@ -36,6 +36,7 @@ EVERY_RANK = -1
 Visit = Callable[[int, Block, Tensor | None], None]
 NewAccumulator = Callable[[int], Tensor]
 Merge = Callable[[Tensor, Tensor], object]
+Merged = Callable[[Tensor], Tensor]
 
 
 def _gathered(rows: Tensor, sizes: tuple[int, ...], rank: int, group: ProcessGroup | None) -> Tensor:
@@ -67,8 +68,10 @@ class OneBlock(NamedTuple):
         """How many columns with a loss of their own the block holds: every rank's (``counts[r]`` each)."""
         return sum(counts)
 
-    def complete_columns(self, state: Tensor, counts: Sequence[int], merge_: Merge) -> Tensor:
-        """Every rank's partial states of the block's columns, merged in rank order: the same on every rank.
+    def complete_columns(self, state: Tensor, counts: Sequence[int], merged: Merged) -> Tensor:
+        """Every rank's partial states of the block's columns, merged: the same on every rank.
+
+        ``merged`` is the family's merge of a ``(W, columns, width)`` stack.
 
         This rank's rows met every column, but only its own rows: the columns' direction (text→image)
         needs every rank's, combined by one small exchange (``W × columns × width`` numbers).
@@ -79,11 +82,8 @@ class OneBlock(NamedTuple):
         world_size = len(counts)
         if world_size == 1:
             return state
-        parts = _gathered(state, (state.shape[0],) * world_size, self.rank, self.group).chunk(world_size)
-        merged = parts[0].clone()
-        for part in parts[1:]:
-            merge_(merged, part)
-        return merged
+        parts = _gathered(state, (state.shape[0],) * world_size, self.rank, self.group)
+        return merged(parts.view(world_size, *state.shape))
 
     def own_columns(self, values: Tensor, counts: Sequence[int]) -> Tensor:
         """The block's columns that are this rank's own (``counts[rank]`` rows from :attr:`own_start`)."""
@@ -120,7 +120,7 @@ class RingBlocks(NamedTuple):
         """How many columns with a loss of their own ``owner``'s block holds."""
         return counts[owner]
 
-    def complete_columns(self, state: Tensor, counts: Sequence[int], merge_: Merge) -> Tensor:
+    def complete_columns(self, state: Tensor, counts: Sequence[int], merged: Merged) -> Tensor:
         """The own block's column state: complete already, every rank's contribution came home with it."""
         return state
 

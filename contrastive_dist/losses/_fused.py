@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from contrastive_dist.losses import _epilogue as epilogue
 from contrastive_dist.losses._columns import EVERY_RANK
 from contrastive_dist.losses._kernel import (
     Pairs,
@@ -28,6 +29,7 @@ from contrastive_dist.losses._kernel import (
     first_order_only,
     gradients_wanted,
     grads_for,
+    scaled,
     with_local,
 )
 from contrastive_dist.losses._symmetric import column_block, column_gradient, column_state
@@ -72,54 +74,93 @@ class _FusedOneBlock(torch.autograd.Function):
         grads = grads_for(queries, scale, want_query, want_scale, want_bias)
         key_grad = torch.zeros_like(block_keys, dtype=scale.dtype) if want_key else None
         any_grad = any(wanted)
-        symmetric = pairs.columns is not None
+        fast = epilogue.fused(pairs, queries, block_keys)
         spans = chunks(queries.shape[0], pairs.chunk, block_keys.shape[0]) if block_keys.shape[0] else []
         row_state = family.empty_state(queries.shape[0], scale)
         columns = transport.columns_in(EVERY_RANK, pairs.columns) if pairs.columns is not None else 0
-        partial = family.empty_state(columns, scale)
+        column_parts: list[Tensor] = []  # the columns' states over each chunk of this rank's rows
+        symmetric, whole = pairs.columns is not None, len(spans) == 1
+        row_indices = epilogue.row_indices(pairs, own_start) if fast else (None, None)
         kept = None
+        block: Any = None  # the columns' side of a chunk: (product, their positives) fused, a ColumnBlock eager
+
+        def chunk_indices(start: int, stop: int) -> tuple[Tensor | None, Tensor | None]:
+            return tuple(None if index is None else index[start:stop] for index in row_indices)  # type: ignore[return-value]
+
+        def chunk_weights(start: int, stop: int) -> Tensor | float:
+            return 1.0 if weights is None else weights[start:stop]
+
+        def finish_block(logit_grad: Tensor, start: int, grad_sums: Tensor | None) -> None:
+            bias_sum = None if grad_sums is None else grad_sums.sum()
+            accumulate(logit_grad, queries[start : start + logit_grad.shape[0]], block_keys, start, grads, key_grad,
+                       bias_sum=bias_sum)  # fmt: skip
+
+        # Pass 1: every row's state (final: the block holds every column) and the columns' partial states.
         for start, stop in spans:
-            chunk_queries = queries[start:stop]
-            logits = block_logits(chunk_queries, block_keys, scale, bias)
-            targets = pairs.rows.block(own_start, start, stop, column_keys)
-            if symmetric:
-                block = column_block(pairs, logits, own_start, start, stop, targets, columns)
-                family.merge_(partial, column_state(pairs, block))
-            mask = targets.positive_mask(logits)
-            state = row_state[start:stop]
-            state.copy_(family.block_state_(logits, targets, mask))
-            if any_grad:
-                row_weights = 1.0 if weights is None else weights[start:stop]
-                logit_grad = family.gradient_(logits, state, targets, mask, row_weights)
-                if not symmetric:
-                    accumulate(logit_grad, chunk_queries, block_keys, scale, start, grads, key_grad)
-                elif len(spans) == 1:  # the whole block, kept for after the exchange
-                    kept = (logit_grad, block)
+            formed_now = any_grad and (not symmetric or whole)  # G now, or after the columns' exchange
+            if fast:
+                logits = epilogue.raw_product(queries[start:stop], block_keys)
+                logit_grad = _grad_buffer(logits, queries, keep=symmetric) if formed_now else None
+                if symmetric:
+                    block = (logits, (epilogue.column_indices(pairs, start), None))
+                    column_parts.append(epilogue.row_state(family, logits[:, :columns].T, scale, bias, block[1],
+                                                           1.0, None)[0])  # fmt: skip
+                state, grad_sums = epilogue.row_state(
+                    family, logits, scale, bias, chunk_indices(start, stop), chunk_weights(start, stop), logit_grad
+                )
+                row_state[start:stop] = state
+            else:
+                targets = pairs.rows.block(own_start, start, stop, column_keys)
+                logits = block_logits(queries[start:stop], block_keys, scale, bias)
+                if symmetric:
+                    block = column_block(pairs, logits, own_start, start, stop, targets, columns)
+                    column_parts.append(column_state(pairs, block))
+                mask = targets.positive_mask(logits)
+                state = row_state[start:stop]
+                state.copy_(family.block_state_(logits, targets, mask))
+                row_weights = chunk_weights(start, stop)
+                logit_grad = family.gradient_(logits, state, targets, mask, row_weights) if formed_now else None
+                grad_sums = None
+            if logit_grad is not None and not symmetric:
+                finish_block(logit_grad, start, grad_sums)
+            elif logit_grad is not None:  # the whole block, kept for after the exchange
+                kept = (logit_grad, block)
         total = _weighted(family.finish(row_state), weights)
         if pairs.columns is not None:
-            final = transport.complete_columns(partial, pairs.columns, family.merge_)
+            partial = family.merged(torch.stack(column_parts)) if column_parts else family.empty_state(columns, scale)
+            final = transport.complete_columns(partial, pairs.columns, family.merged)
             total = total + _weighted(family.finish(transport.own_columns(final, pairs.columns)), weights)
             column_weights = 1.0 if pairs.column_weights is None else pairs.column_weights
+            # Pass 2: each block's gradient, the rows' and the columns' together.
             for start, stop in spans if any_grad else []:
-                chunk_queries = queries[start:stop]
                 if kept is not None:
                     logit_grad, block = kept
-                    column_grad = column_gradient(pairs, block, final, column_weights, partial)
+                elif fast:
+                    logits = epilogue.raw_product(queries[start:stop], block_keys)
+                    logit_grad = _grad_buffer(logits, queries, keep=True)
+                    epilogue.gradient(family, logits, scale, bias, row_state[start:stop], chunk_indices(start, stop),
+                                      chunk_weights(start, stop), logit_grad)  # fmt: skip
+                    block = (logits, (epilogue.column_indices(pairs, start), None))
                 else:
-                    logits = block_logits(chunk_queries, block_keys, scale, bias)
                     targets = pairs.rows.block(own_start, start, stop, column_keys)
+                    logits = block_logits(queries[start:stop], block_keys, scale, bias)
                     block = column_block(pairs, logits, own_start, start, stop, targets, columns)
-                    column_grad = column_gradient(pairs, block, final, column_weights)
                     mask = targets.positive_mask(logits)
                     state = row_state[start:stop]
                     family.numerators_(logits, state, targets, mask)
-                    row_weights = 1.0 if weights is None else weights[start:stop]
-                    logit_grad = family.gradient_(logits, state, targets, mask, row_weights)
-                logit_grad[:, :columns] += column_grad.T
-                accumulate(logit_grad, chunk_queries, block_keys, scale, start, grads, key_grad)
+                    logit_grad = family.gradient_(logits, state, targets, mask, chunk_weights(start, stop))
+                if fast:
+                    logits, column_positives = block
+                    epilogue.gradient(family, logits[:, :columns].T, scale, bias, final, column_positives,
+                                      column_weights, logit_grad[:, :columns].T, accumulate=True)  # fmt: skip
+                else:
+                    partial_here = partial if kept is not None else None
+                    logit_grad[:, :columns] += column_gradient(pairs, block, final, column_weights, partial_here).T
+                finish_block(logit_grad, start, None)
+        query_grad, scale_grad = scaled(grads, queries, scale)
         if key_grad is not None:
-            key_grad = key_grad[: keys.shape[0]]
-        ctx.save_for_backward(grads.query, key_grad, grads.scale, grads.bias)
+            key_grad = key_grad[: keys.shape[0]].mul_(scale)
+        ctx.save_for_backward(query_grad, key_grad, scale_grad, grads.bias)
         ctx.dtypes = (queries.dtype, keys.dtype, scale.dtype, scale.dtype)
         has_positive = family.has_positive(row_state)
         ctx.mark_non_differentiable(has_positive)
@@ -131,6 +172,16 @@ class _FusedOneBlock(torch.autograd.Function):
         saved = zip(ctx.saved_tensors, ctx.dtypes, strict=True)
         grads = tuple(None if grad is None else (grad * grad_total).to(dtype) for grad, dtype in saved)
         return (*grads, None, None, None)
+
+
+def _grad_buffer(logits: Tensor, queries: Tensor, *, keep: bool) -> Tensor:
+    """Where the fused epilogue writes ``G``: a buffer in the features' dtype, or the float32 product.
+
+    The product itself unless it is still needed (``keep``: the columns' direction reads it after the exchange).
+    """
+    if queries.dtype != torch.float32 or keep:
+        return logits.new_empty(logits.shape, dtype=queries.dtype)
+    return logits
 
 
 def _weighted(losses: Tensor, weights: Tensor | None) -> Tensor:

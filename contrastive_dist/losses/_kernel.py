@@ -44,6 +44,7 @@ __all__ = [
     "first_order_only",
     "as_input",
     "grads_for",
+    "scaled",
     "block_logits",
     "own_block",
     "transposed_copy",
@@ -62,6 +63,7 @@ class Family(NamedTuple):
     empty_state: Callable[[int, Tensor], Tensor]
     block_state_: Callable[[Tensor, Targets, Tensor | None], Tensor]
     merge_: Callable[[Tensor, Tensor], None]
+    merged: Callable[[Tensor], Tensor]
     finish: Callable[[Tensor], Tensor]
     has_positive: Callable[[Tensor], Tensor]
     numerators_: Callable[..., Tensor]
@@ -189,44 +191,68 @@ def chunks(rows: int, chunk: int | None, columns: int = 0) -> list[tuple[int, in
 
 
 class Grads(NamedTuple):
-    """Gradient accumulators of the inputs that need one (``None`` for the others)."""
+    """Gradient accumulators of one kernel call.
+
+    Attributes:
+        query: ``(n, D)`` the queries' ``Σ G K``, unscaled (:func:`scaled` applies the scale once,
+            after the last block), when the queries or the scale need a gradient; else ``None``.
+        bias: ``()`` the bias's ``Σ G``, or ``None``.
+        want_query, want_scale: which of the queries and the scale need a gradient.
+    """
 
     query: Tensor | None
-    scale: Tensor | None
     bias: Tensor | None
+    want_query: bool
+    want_scale: bool
 
 
 def accumulate(
-    logit_grad: Tensor, queries: Tensor, keys: Tensor, scale: Tensor, start: int, grads: Grads, key_grad: Tensor | None
+    logit_grad: Tensor,
+    queries: Tensor,
+    keys: Tensor,
+    start: int,
+    grads: Grads,
+    key_grad: Tensor | None,
+    *,
+    bias_sum: Tensor | None = None,
 ) -> None:
-    """From ``G = ∂(Σ w ℓ)/∂logits`` of rows ``start:`` against ``keys``: add every input's gradient.
+    """From ``G = ∂(Σ w ℓ)/∂logits`` of rows ``start:`` against ``keys``: add every input's gradient, unscaled.
 
-    Queries ``s · G K``, keys ``s · Gᵀ Q`` (into ``key_grad``), scale ``Σ Q ⊙ (G K)``, bias ``Σ G``.
-    The accumulators are in the core's dtype; half operands multiply ``G`` rounded to their dtype.
-    In float16, whose range is narrow, ``G`` is first multiplied by a power of two that brings its
-    largest entry to [½, 1) and the products are divided by it: the row weights folded into ``G``
-    (upstream gradients ≈ 1/N) would otherwise push its entries below float16's smallest numbers.
+    The queries' ``G K`` (into ``grads.query``), the keys' ``Gᵀ Q`` (into ``key_grad``), the bias's
+    ``Σ G`` (``bias_sum``, when the epilogue that formed ``G`` summed it too). The logits' scale ``s``
+    multiplies both products: it is applied once, after the last block (:func:`scaled`; the keys'
+    accumulator by its owner), which also forms the scale's gradient ``Σ Q ⊙ (G K)``. The accumulators
+    are in the core's dtype; half operands multiply ``G`` rounded to their dtype. In float16, whose
+    range is narrow, ``G`` is first multiplied by a power of two that brings its largest entry to
+    [½, 1) and the products are divided by it: the row weights folded into ``G`` (upstream
+    gradients ≈ 1/N) would otherwise push its entries below float16's smallest numbers.
     """
     if grads.bias is not None:
-        grads.bias.add_(logit_grad.sum())
+        grads.bias.add_(logit_grad.sum() if bias_sum is None else bias_sum)
     half = _half(queries, keys)
     if not half and queries.dtype != keys.dtype:  # a block held here in another dtype (a float32 queue)
         queries, keys = upcast(queries), upcast(keys)
     factor, unscale = _rounded(logit_grad, queries.dtype) if half else (logit_grad, None)
-    if key_grad is not None:
-        if half:
-            key_grad.add_(product(factor.T, queries).mul_(scale if unscale is None else scale * unscale))
-        else:
-            key_grad.addmm_(factor.T, queries * scale)
-    if grads.query is None and grads.scale is None:
-        return
-    weighted_keys = product(factor, keys) if half else factor @ keys
-    if unscale is not None:
-        weighted_keys.mul_(unscale)
-    if grads.query is not None:
-        grads.query[start : start + queries.shape[0]].add_(weighted_keys * scale)
-    if grads.scale is not None:
-        grads.scale.add_((upcast(queries) * weighted_keys).sum())
+    for accumulator, first, second in ((key_grad, factor.T, queries), (_rows(grads, start, queries), factor, keys)):
+        if accumulator is None:
+            continue
+        if not half:
+            accumulator.addmm_(first, second)
+            continue
+        part = product(first, second)
+        accumulator.add_(part if unscale is None else part.mul_(unscale))
+
+
+def _rows(grads: Grads, start: int, queries: Tensor) -> Tensor | None:
+    return None if grads.query is None else grads.query[start : start + queries.shape[0]]
+
+
+def scaled(grads: Grads, queries: Tensor, scale: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """The queries' gradient ``s · Σ G K`` and the scale's ``Σ Q ⊙ (Σ G K)``, from :attr:`Grads.query`."""
+    if grads.query is None:
+        return None, None
+    scale_grad = (upcast(queries) * grads.query).sum() if grads.want_scale else None
+    return (grads.query.mul_(scale) if grads.want_query else None), scale_grad
 
 
 def _rounded(logit_grad: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
@@ -248,8 +274,8 @@ def gradients_wanted(*tensors: Tensor | None) -> tuple[bool, ...]:
 
 def grads_for(queries: Tensor, scale: Tensor, want_query: bool, want_scale: bool, want_bias: bool) -> Grads:
     """Fresh accumulators, in the core's dtype (``scale``'s) whatever the queries' dtype."""
-    query = torch.zeros_like(queries, dtype=scale.dtype) if want_query else None
-    return Grads(query, scale.new_zeros(()) if want_scale else None, scale.new_zeros(()) if want_bias else None)
+    query = torch.zeros_like(queries, dtype=scale.dtype) if want_query or want_scale else None
+    return Grads(query, scale.new_zeros(()) if want_bias else None, want_query, want_scale)
 
 
 def as_input(grad: Tensor | None, like: Tensor) -> Tensor | None:

@@ -28,6 +28,7 @@ from contrastive_dist.losses._kernel import (
     gradients_wanted,
     grads_for,
     own_block,
+    scaled,
 )
 from contrastive_dist.losses._symmetric import column_block, column_gradient
 from contrastive_dist.losses._symmetric import column_state as column_state_of
@@ -91,7 +92,7 @@ class _Recomputed(torch.autograd.Function):
         if column_state is None or pairs.columns is None:
             column_state, own_columns = family.empty_state(0, scale), family.empty_state(0, scale)
         else:
-            column_state = transport.complete_columns(column_state, pairs.columns, family.merge_)
+            column_state = transport.complete_columns(column_state, pairs.columns, family.merged)
             own_columns = transport.own_columns(column_state, pairs.columns)
         ctx.save_for_backward(queries, keys, scale, bias, row_state, column_state)
         ctx.pairs, ctx.wanted = pairs, wanted
@@ -134,7 +135,7 @@ class _Recomputed(torch.autograd.Function):
                 logit_grad = family.gradient_(logits, chunk_state, targets, mask, row_grad[start:stop])
                 if column_logit_grad is not None:
                     logit_grad[:, : column_logit_grad.shape[0]] += column_logit_grad.T
-                accumulate(logit_grad, chunk_queries, block_keys, scale, start, grads, key_grad)
+                accumulate(logit_grad, chunk_queries, block_keys, start, grads, key_grad)
 
         own = own_block(keys, pairs.column_keys)
         if symmetric:
@@ -149,6 +150,9 @@ class _Recomputed(torch.autograd.Function):
         key_grad = transport.run(own, block_rows(pairs, with_columns=symmetric), visit, new_key_grad)
         if pairs.local_keys is not None:
             visit(LOCAL, own_block(pairs.local_keys.to(keys.dtype), pairs.local_column_keys), None)
-        return as_input(grads.query, queries), as_input(key_grad, keys), grads.scale, grads.bias, None, None
+        query_grad, scale_grad = scaled(grads, queries, scale)
+        if key_grad is not None:  # home with every rank's contribution: scaled once
+            key_grad.mul_(scale)
+        return as_input(query_grad, queries), as_input(key_grad, keys), scale_grad, grads.bias, None, None
 
 

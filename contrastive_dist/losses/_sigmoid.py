@@ -27,6 +27,7 @@ __all__ = [
     "gradient_",
     "has_positive",
     "merge_",
+    "merged",
     "numerators_",
     "rebase_",
 ]
@@ -63,6 +64,11 @@ def block_state_(logits: Tensor, targets: Targets, positive_mask: Tensor | None)
         logits: ``(c, m)``; output: ``(c, 1)``.
     """
     return F.softplus(numerators_(logits, None, targets, positive_mask)).sum(dim=1, keepdim=True)
+
+
+def merged(states: Tensor) -> Tensor:
+    """The sum over every part. Shape: ``(k, c, 1)`` → ``(c, 1)``."""
+    return states.sum(dim=0)
 
 
 def merge_(state: Tensor, other: Tensor) -> None:

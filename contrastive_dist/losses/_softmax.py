@@ -43,6 +43,7 @@ __all__ = [
     "gradient_",
     "has_positive",
     "merge_",
+    "merged",
     "numerators_",
     "rebase_",
 ]
@@ -118,26 +119,32 @@ def block_state_(logits: Tensor, targets: Targets, positive_mask: Tensor | None)
     return state
 
 
+def merged(states: Tensor) -> Tensor:
+    """The state of every part's columns together: exact, whatever order the parts come in.
+
+    The parts whose maximum is the largest keep their exact parts exact (equal maxima add them); the
+    others' terms move into ``rest``, scaled to the common maximum.
+
+    Shape:
+        states: ``(k, c, WIDTH)``; output: ``(c, WIDTH)``.
+    """
+    maxima = states[..., _MAX]
+    top = maxima.amax(dim=0)
+    leads = maxima == top  # this part holds the maximum: its exact part stays exact
+    factor = torch.where(leads, 1.0, (maxima - _finite(top)).exp())
+    rest = (states[..., _REST] * factor + torch.where(leads, 0.0, states[..., _EXACT] * factor)).sum(dim=0)
+    exact = torch.where(leads, states[..., _EXACT], 0.0).sum(dim=0)
+    positives = states[..., _POSITIVE_SUM:].sum(dim=0)
+    return torch.cat((top[:, None], rest[:, None], exact[:, None], positives), dim=1)
+
+
 def merge_(state: Tensor, other: Tensor) -> None:
-    """``state`` ← the state of both column sets: exact, whatever order the blocks come in.
+    """``state`` ← the state of both column sets (:func:`merged`).
 
     Shape:
         state, other: ``(c, WIDTH)``.
     """
-    merged_max = torch.maximum(state[:, _MAX], other[:, _MAX])
-    parts = []
-    for side in (state, other):
-        leads = side[:, _MAX] == merged_max  # this side holds the maximum: its exact part stays exact
-        factor = torch.where(leads, 1.0, (side[:, _MAX] - _finite(merged_max)).exp())
-        parts.append((leads, factor, side[:, _REST], side[:, _EXACT]))
-    (leads_a, factor_a, rest_a, exact_a), (leads_b, factor_b, rest_b, exact_b) = parts
-    rest = rest_a * factor_a + rest_b * factor_b
-    rest = rest + torch.where(leads_a, 0.0, exact_a * factor_a) + torch.where(leads_b, 0.0, exact_b * factor_b)
-    exact = torch.where(leads_a, exact_a, 0.0) + torch.where(leads_b, exact_b, 0.0)
-    state[:, _MAX] = merged_max
-    state[:, _REST] = rest
-    state[:, _EXACT] = exact
-    state[:, _POSITIVE_SUM:] += other[:, _POSITIVE_SUM:]
+    state.copy_(merged(torch.stack((state, other))))
 
 
 def finish(state: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ from torch import Tensor
 from contrastive_dist.losses._kernel import Pairs, transposed_copy
 from contrastive_dist.losses._targets import Targets
 
-__all__ = ["ColumnBlock", "column_block", "column_gradient", "column_state"]
+__all__ = ["ColumnBlock", "column_block", "column_gradient", "column_state", "column_targets"]
 
 
 class ColumnBlock(NamedTuple):
@@ -43,10 +43,17 @@ def column_block(
     Only this rank's own columns (from ``own_start`` in the block) hold their positive rows.
     """
     values = transposed_copy(logits[:, :columns])
+    targets = column_targets(pairs, own_start, start, stop, targets, columns)
+    return ColumnBlock(values, targets, targets.positive_mask(values))
+
+
+def column_targets(
+    pairs: Pairs, own_start: int | None, start: int, stop: int, targets: Targets, columns: int
+) -> Targets:
+    """The targets of the block's first ``columns`` columns against the rows ``start:stop``."""
     column_keys = None if targets.column_keys is None else targets.column_keys[:columns]
     own = own_start is not None
-    column_targets = pairs.rows.columns(own, start, stop - start, targets._replace(column_keys=column_keys))
-    return ColumnBlock(values, column_targets, column_targets.positive_mask(values))
+    return pairs.rows.columns(own, start, stop - start, targets._replace(column_keys=column_keys))
 
 
 def column_state(pairs: Pairs, block: ColumnBlock) -> Tensor:

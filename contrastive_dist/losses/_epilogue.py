@@ -1,0 +1,126 @@
+"""Which epilogue a block takes: a fused Triton op (:mod:`._triton`) or the family's eager chain.
+
+A block's epilogue is everything between its product and the products of its gradient: the
+logits' scale and bias, the rows' state, the logit gradient ``G``. On CUDA, for targets without
+key masks (no ids, no labels) and float32 or bfloat16 features, it is one fused launch that reads
+the raw product ``P = Q Kᵀ`` and writes ``G`` (in bfloat16 for bfloat16 features): 6–10 bytes per
+logit instead of the eager chain's 40–130. Everything else takes the eager chain, which stays the
+reference: the same numbers to float32 rounding (``tests/test_triton_epilogue.py``,
+``tests/test_losses_fused_epilogue.py``). ``CONTRASTIVE_DIST_EPILOGUE`` chooses (see
+:data:`._triton.EPILOGUE_VARIABLE`).
+
+float16 features keep the eager chain: their logit gradient, rounded with the row weights folded
+in, needs the power-of-two scaling of :func:`._kernel.accumulate`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from contrastive_dist.losses._kernel import SIGMOID, Family, Pairs
+from contrastive_dist.losses._precision import product
+
+__all__ = ["column_indices", "fused", "gradient", "raw_product", "row_indices", "row_state"]
+
+
+_EPILOGUE_VARIABLE = "CONTRASTIVE_DIST_EPILOGUE"  # read here too, so that CPU runs never import Triton
+
+
+def fused(pairs: Pairs, queries: Tensor, keys: Tensor) -> bool:
+    """Whether ``pairs``' blocks of ``queries`` against ``keys`` take the fused epilogue."""
+    if pairs.rows.keys is not None or queries.dtype != keys.dtype:
+        return False  # key masks, or a block held in another dtype (a float32 queue): the eager chain
+    if queries.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if not queries.is_cuda and os.environ.get(_EPILOGUE_VARIABLE) != "triton":
+        return False
+    from contrastive_dist.losses import _triton
+
+    return _triton.available(queries)
+
+
+def raw_product(queries: Tensor, keys: Tensor) -> Tensor:
+    """``P = Q Kᵀ`` in float32, no scale: the fused epilogue forms the logits itself."""
+    return product(queries, keys.T)
+
+
+def row_indices(pairs: Pairs, own_start: int | None) -> tuple[Tensor | None, Tensor | None]:
+    """Every row's positive and excluded column in a block whose own columns start at ``own_start``.
+
+    As the ops take them: ``(n,)`` int64, an entry outside the block (another rank's block, ``None``) is none.
+    """
+    rows = pairs.rows
+    if own_start is None:
+        return None, None
+    return tuple(None if index is None else index + own_start for index in (rows.positive, rows.excluded))  # type: ignore[return-value]
+
+
+def column_indices(pairs: Pairs, start: int) -> Tensor | None:
+    """Each column's positive among the rows ``start:`` (outside the chunk: none), for the columns' direction."""
+    column_positive = pairs.rows.column_positive
+    return None if column_positive is None else column_positive - start
+
+
+def row_state(
+    family: Family,
+    logits: Tensor,
+    scale: Tensor,
+    bias: Tensor | None,
+    indices: tuple[Tensor | None, Tensor | None],
+    weights: Tensor | float,
+    grad: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    """The rows' state over one block (``logits``: the raw product) and, with ``grad``, their logit gradient.
+
+    ``indices``: the rows' positive and excluded columns (:func:`row_indices`). ``grad`` receives
+    ``G`` weighted by ``weights`` (gather mode: the block is every column, the state final);
+    ``None``: the state only. Returns the state and, for the sigmoid family, ``Σ_j G_ij``.
+    """
+    from contrastive_dist.losses import _triton
+
+    positive, excluded = indices
+    row_weights = _weights(weights)
+    if family is SIGMOID:
+        sums, grad_sums = _triton.sigmoid_block(logits, scale, bias, positive, excluded, row_weights, grad)
+        return sums[:, None], grad_sums if grad is not None else None
+    if grad is None:
+        return _triton.softmax_state(logits, scale, bias, positive, excluded), None
+    return _triton.softmax_block(logits, scale, bias, positive, excluded, row_weights, grad), None
+
+
+def gradient(
+    family: Family,
+    logits: Tensor,
+    scale: Tensor,
+    bias: Tensor | None,
+    state: Tensor,
+    indices: tuple[Tensor | None, Tensor | None],
+    weights: Tensor | float,
+    grad: Tensor,
+    *,
+    accumulate: bool = False,
+) -> Tensor | None:
+    """``G`` of one block from the rows' final ``state``, into ``grad`` (added to it with ``accumulate``).
+
+    Returns ``Σ_j G_ij`` for the sigmoid family (the bias's gradient), else ``None``.
+    """
+    from contrastive_dist.losses import _triton
+
+    positive, excluded = indices
+    row_weights = _weights(weights)
+    if family is SIGMOID:  # a row's pair terms need no state; no columns' direction adds onto them
+        return _triton.sigmoid_block(logits, scale, bias, positive, excluded, row_weights, grad)[1]
+    _triton.softmax_grad(logits, scale, bias, state, positive, excluded, row_weights, grad, accumulate=accumulate)
+    return None
+
+
+def _weights(weights: Tensor | float) -> Tensor | None:
+    """Row weights as the ops take them: a float32 vector, or ``None`` for all 1."""
+    if isinstance(weights, Tensor):
+        return weights.to(torch.float32).contiguous()
+    if weights == 1.0:
+        return None
+    raise ValueError(f"the fused epilogue takes per-row weights or 1, got {weights!r}")
