@@ -1,0 +1,148 @@
+"""The losses on their fused epilogue path (CUDA's, run here in Triton's interpreter) against float64.
+
+On CUDA a block without key masks takes the fused Triton epilogues (``losses/_epilogue.py``); here
+the same path runs on CPU tensors under ``TRITON_INTERPRET=1`` with ``CONTRASTIVE_DIST_EPILOGUE=triton``,
+in a process of its own (Triton reads the variable when it is first imported):
+:func:`test_in_interpreter` runs this file's checks there. Each check counts the fused ops it
+called, so that a silent fall back to the eager chain fails it. The reference is independent of the
+code under test: the plain float64 loops of ``tests/loss_references.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+pytest.importorskip("triton")
+
+from loss_references import make_problem, package_value, reference_value, value_and_grads  # noqa: E402
+
+from contrastive_dist import SharedNegatives  # noqa: E402
+from contrastive_dist.losses import _triton  # noqa: E402
+from contrastive_dist.losses._precision import PRODUCTS_VARIABLE  # noqa: E402
+from contrastive_dist.testing import WorkerPool  # noqa: E402
+
+_CHILD = "CONTRASTIVE_DIST_FUSED_LOSS_CHECKS"
+"""Set in the interpreter's process: the checks run there, and only there."""
+interpreted = pytest.mark.skipif(os.environ.get(_CHILD) != "1", reason="run by test_in_interpreter, in its process")
+_OPS = ("sigmoid_block", "softmax_state", "softmax_grad", "softmax_block")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(os.environ.get(_CHILD) == "1", reason="this is the interpreter's process")
+def test_in_interpreter() -> None:
+    """Every check below, in a fresh process under ``TRITON_INTERPRET=1``."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, _CHILD: "1", "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    env[_triton.EPILOGUE_VARIABLE] = "triton"
+    checks = "not test_in_interpreter"
+    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", checks]
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=580)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    summary = done.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary, done.stdout[-3000:]  # every check ran
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The fused ops called, by name (the losses reach them through the module ``_triton``)."""
+    calls: list[str] = []
+    for name in _OPS:
+        op = getattr(_triton, name)
+        monkeypatch.setattr(_triton, name, lambda *a, _op=op, _name=name, **k: (calls.append(_name), _op(*a, **k))[1])
+    yield calls
+
+
+KINDS = ("clip", "clip_one_way", "clip_shared_negatives", "ntxent_scale", "siglip")
+"""Losses whose blocks have no key masks (SupCon's labels are key masks: the eager chain)."""
+
+
+def _problem(dtype: torch.dtype, total: int = 37, seed: int = 1) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    params, data = make_problem(seed=seed, total=total, dtype=dtype)
+    return params, {name: tensor.to(dtype) if tensor.is_floating_point() else tensor for name, tensor in data.items()}
+
+
+def _shared_negatives(dtype: torch.dtype) -> Tensor:
+    generator = torch.Generator().manual_seed(9)
+    return torch.nn.functional.normalize(torch.randn(5, 5, generator=generator, dtype=torch.float64), dim=-1).to(dtype)
+
+
+def _reference(kind: str, mode: str, params: dict[str, Tensor], data: dict[str, Tensor]) -> tuple[Tensor, dict]:
+    """The plain float64 loops on the same (rounded) values."""
+    params64 = {name: tensor.detach().double().requires_grad_() for name, tensor in params.items()}
+    data64 = {name: tensor.double() if tensor.is_floating_point() else tensor for name, tensor in data.items()}
+    shared = kind == "clip_shared_negatives"
+    negatives = _shared_negatives(params["w_text"].dtype).double() if shared else None
+    value = reference_value("clip" if shared else kind, mode, params64, data64, negatives=negatives)
+    return value_and_grads(value, params64)
+
+
+def _package(kind: str, mode: str, params: dict[str, Tensor], data: dict[str, Tensor], **options: object) -> Tensor:
+    if kind == "clip_shared_negatives":
+        shared = SharedNegatives(_shared_negatives(params["w_text"].dtype))
+        return package_value("clip", mode, params, data, negatives=shared, **options)  # type: ignore[arg-type]
+    return package_value(kind, mode, params, data, **options)  # type: ignore[arg-type]
+
+
+@interpreted
+@pytest.mark.parametrize(("products", "chunk"), [("auto", None), ("auto", 16), ("half", None)])
+@pytest.mark.parametrize("mode", ["mean", "weighted"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_path_equals_the_float64_reference(
+    kind: str, mode: str, products: str, chunk: int | None, fused_calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # products="half": bfloat16 features stay bfloat16 and G is written in bfloat16 (CUDA's route).
+    monkeypatch.setenv(PRODUCTS_VARIABLE, products)
+    dtype = torch.float32 if products == "auto" else torch.bfloat16
+    params, data = _problem(dtype)
+    value, grads = value_and_grads(_package(kind, mode, params, data, chunk_size=chunk), params)
+    assert fused_calls, "the fused epilogue was not taken"
+    expected, expected_grads = _reference(kind, mode, params, data)
+    # bfloat16: features, products and the gradients handed back are rounded to bfloat16.
+    rtol = 1e-5 if dtype == torch.float32 else 2**-6
+    torch.testing.assert_close(value.double(), expected, rtol=rtol, atol=0)
+    for name, grad in grads.items():
+        reference = expected_grads[name]
+        assert float((grad.double() - reference).abs().max()) <= rtol * float(reference.abs().max()), name
+
+
+def distributed_fused(rank: int, world_size: int, kind: str, shards: tuple[int, ...]) -> tuple[list, int]:
+    """This rank's share of the loss and its parameter gradients on the fused path, and how many fused ops ran."""
+    calls: list[str] = []
+    for name in _OPS:
+        op = getattr(_triton, name)
+        setattr(_triton, name, lambda *a, _op=op, _name=name, **k: (calls.append(_name), _op(*a, **k))[1])
+    params, data = _problem(torch.float32, total=sum(shards), seed=3)
+    start, stop = sum(shards[:rank]), sum(shards[: rank + 1])
+    local = {name: tensor[start:stop] for name, tensor in data.items()}
+    results = []
+    for mode in ("mean", "weighted"):
+        results.append(value_and_grads(_package(kind, mode, params, local, chunk_size=2, sizes=shards), params))
+    return results, len(calls)
+
+
+@interpreted
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_across_ranks_with_an_empty_one(kind: str) -> None:
+    # InfoNCE: every rank's partial column states merged by the exchange; an empty rank takes part.
+    shards = (3, 0, 4)
+    with WorkerPool(len(shards), timeout=120) as pool:
+        outcomes = pool.run(distributed_fused, kind, shards)
+    assert all(calls for (_, calls), size in zip(outcomes, shards, strict=True) if size)
+    params, data = _problem(torch.float32, total=sum(shards), seed=3)
+    for index, mode in enumerate(("mean", "weighted")):
+        expected, expected_grads = _reference(kind, mode, params, data)
+        shares = [results[index] for results, _ in outcomes]
+        # The mean over ranks is the global loss; DDP averages the parameters' gradients.
+        mean = sum(value.double() for value, _ in shares) / len(shards)
+        torch.testing.assert_close(mean, expected, rtol=1e-5, atol=0)
+        for name, reference in expected_grads.items():
+            grad = sum(grads[name].double() for _, grads in shares) / len(shards)
+            assert float((grad - reference).abs().max()) <= 1e-5 * float(reference.abs().max()), name
