@@ -30,10 +30,11 @@ INFONCE_BYTES_PER_LOGIT = 24
 LAUNCHES_PER_CHUNK_VISIT = 12
 """Epilogue launches per chunk of rows meeting a block of columns, forward + backward."""
 
-ROWS, DIM, CHUNK = 2048, 32, 256
-"""Counting sizes: samples, feature dimension, chunk of the chunked call. ``D / N`` about a GPU run's
-(768 / 64k): the per-call passes over the features weigh in the bytes per logit as they would there;
-``D`` differs from every other size, which tells the logit products apart."""
+ROWS, DIM, CHUNK = 4096, 192, 256
+"""Counting sizes: samples, feature dimension, rows per chunk of the chunked call. ``D / N`` is small, as
+in a GPU run (768 / 64k), so the per-call passes over the features weigh little per logit; ``D / chunk``
+is not, so a per-chunk pass over an ``N × D`` temporary shows. ``D`` differs from every other size (rows,
+chunks, their doubles): a product whose inner dimension is ``D`` is a logit block."""
 LOSSES = ("info_nce", "siglip", "nt_xent", "supcon")
 SYMMETRIC = ("nt_xent", "supcon")
 """Losses of ``2n`` rows against ``2n`` columns (two views per sample)."""
