@@ -28,7 +28,7 @@ from torch import Tensor
 from contrastive_dist.engine._ring import Block
 from contrastive_dist.losses import _sigmoid, _softmax
 from contrastive_dist.losses._columns import Transport
-from contrastive_dist.losses._precision import full_precision, product, upcast
+from contrastive_dist.losses._precision import add_product_, full_precision, product, upcast
 from contrastive_dist.losses._targets import RowTargets, Targets
 
 __all__ = [
@@ -236,11 +236,10 @@ def accumulate(
     for accumulator, first, second in ((key_grad, factor.T, queries), (_rows(grads, start, queries), factor, keys)):
         if accumulator is None:
             continue
-        if not half:
-            accumulator.addmm_(first, second)
-            continue
-        part = product(first, second)
-        accumulator.add_(part if unscale is None else part.mul_(unscale))
+        if unscale is None:  # accumulated in the product, beta = 1
+            add_product_(accumulator, first, second)
+        else:
+            accumulator.add_(product(first, second).mul_(unscale))
 
 
 def _rows(grads: Grads, start: int, queries: Tensor) -> Tensor | None:

@@ -37,6 +37,7 @@ __all__ = [
     "full_precision",
     "half_products",
     "operands",
+    "add_product_",
     "product",
     "upcast",
 ]
@@ -103,3 +104,23 @@ def product(first: Tensor, second: Tensor) -> Tensor:
     if first.dtype == second.dtype and first.dtype in _HALF and first.is_cuda:
         return torch.mm(first, second, out_dtype=torch.float32)
     return upcast(first) @ upcast(second)
+
+
+def add_product_(out: Tensor, first: Tensor, second: Tensor) -> Tensor:
+    """``out += first @ second`` in place, in ``out``'s dtype (the core's): no temporary of the product.
+
+    Two half operands on CUDA accumulate on the tensor cores straight into the float32 ``out``
+    (``addmm`` with ``out_dtype``); elsewhere both are upcast first, like :func:`product`.
+
+    Shape:
+        out: ``(a, b)``; first: ``(a, k)``; second: ``(k, b)``.
+
+    Example:
+        >>> import torch
+        >>> out, a, b = torch.ones(2, 4), torch.randn(2, 3).bfloat16(), torch.randn(3, 4).bfloat16()
+        >>> torch.equal(add_product_(out.clone(), a, b), out + a.float() @ b.float())
+        True
+    """
+    if first.dtype == second.dtype and first.dtype in _HALF and first.is_cuda:
+        return torch.addmm(out, first, second, out_dtype=out.dtype, out=out)
+    return out.addmm_(upcast(first), upcast(second))
