@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist.engine._faults import naming_peers
+from contrastive_dist.engine._faults import naming_peers, wait_named
 
 __all__ = ["Ring", "circulate"]
 
@@ -53,11 +53,11 @@ class _Pending:
     def wait(self) -> None:
         # One work per operation (gloo); a backend that coalesces the batch returns fewer: both neighbours.
         per_work = len(self._peers) == len(self._works)
+        sliced = all(buffer.device.type == "cpu" for buffer in self._buffers)
         for index, work in enumerate(self._works):
             peer, way = self._peers[index] if per_work else (None, "")
             peers = (peer,) if peer is not None else self._ring.neighbours()
-            with naming_peers(f"{self._step}{way}", self._ring.group, peers=peers):
-                work.wait()
+            wait_named(work, f"{self._step}{way}", self._ring.group, peers=peers, sliced=sliced)
         self._works, self._buffers = [], ()
 
 
