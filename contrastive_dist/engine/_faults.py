@@ -29,7 +29,6 @@ for the process group's timeout because a live neighbour stopped sending.
 
 from __future__ import annotations
 
-import datetime
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -39,6 +38,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from contrastive_dist.engine._rollcall import alarm_seen, gone_ranks, watch
+from contrastive_dist.engine._waiter import in_slices, in_thread
 
 __all__ = ["PeerFailureError", "is_transport_failure", "naming_peers", "wait_named"]
 
@@ -115,11 +115,6 @@ def naming_peers(operation: str, group: ProcessGroup | None, *, peers: Sequence[
         raise _named(error, operation, group, peers) from error
 
 
-_SLICE = datetime.timedelta(seconds=0.1)
-"""How long :func:`wait_named` waits before it looks at the store's alarm again."""
-_SLICE_OVER = "Operation timed out!"  # torch's words when Work.wait(timeout) returns before the work is done
-
-
 def wait_named(
     work: dist.Work | None,
     operation: str,
@@ -127,6 +122,7 @@ def wait_named(
     *,
     peers: Sequence[int] | None = None,
     sliced: bool = True,
+    point_to_point: bool = False,
 ) -> None:
     """``work.wait()``, named on failure; in short slices that watch the store for ranks gone elsewhere.
 
@@ -136,6 +132,7 @@ def wait_named(
         group: the process group it runs on (``None``: the world).
         peers: the group ranks it talks to, where that is one or a few (``None``: every other rank).
         sliced: whether to wait in slices (CPU tensors; an accelerator's wait only orders its stream).
+        point_to_point: a send or receive, whose wait cannot be cut into slices (``_waiter``).
     """
     if work is None:
         return
@@ -144,14 +141,9 @@ def wait_named(
             work.wait()
             return
         watch(group)
+        finished = in_thread(work) if point_to_point else in_slices(work)
         incident = 0
-        while True:
-            try:
-                work.wait(_SLICE)
-                return
-            except RuntimeError as error:
-                if str(error) != _SLICE_OVER:
-                    raise
+        while not finished():
             # Still waiting: did a rank elsewhere raise the alarm, and is someone gone?
             newer = alarm_seen(group, incident)
             if newer:

@@ -57,7 +57,7 @@ class _Pending:
         for index, work in enumerate(self._works):
             peer, way = self._peers[index] if per_work else (None, "")
             peers = (peer,) if peer is not None else self._ring.neighbours()
-            wait_named(work, f"{self._step}{way}", self._ring.group, peers=peers, sliced=sliced)
+            wait_named(work, f"{self._step}{way}", self._ring.group, peers=peers, sliced=sliced, point_to_point=True)
         self._works, self._buffers = [], ()
 
 

@@ -179,9 +179,13 @@ def _parse(verdict: bytes) -> tuple[int, ...]:
 def _roll_call(record: _Watched, incident: int) -> tuple[int, ...]:
     store = record.store
     if incident == 0:
-        incident = _answer(record) + 1
-        store.set(f"{_PREFIX}alarm/{incident}", str(record.rank))
-        _answer(record)
+        latest = _answer(record)
+        if latest and latest not in record.verdicts:
+            incident = latest  # a rank elsewhere already raised the alarm for this failure: the same roll call
+        else:
+            incident = latest + 1
+            store.set(f"{_PREFIX}alarm/{incident}", str(record.rank))
+            _answer(record)
     if incident in record.verdicts:
         return record.verdicts[incident]
     verdict_key = f"{_PREFIX}verdict/{incident}"
