@@ -55,8 +55,8 @@ class _Helper:
                 work.wait()
             except BaseException as error:  # noqa: BLE001 - handed back to the caller, raised there
                 failure.append(error)
+            del work  # dropped before the caller goes on: nothing of the transfer is freed here later
             done.set()
-            del work  # the transfer's buffers are not kept past its wait
 
 
 _idle: list[_Helper] = []
