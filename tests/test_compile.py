@@ -17,7 +17,7 @@ import torch._dynamo
 from loss_references import KINDS, encode, make_problem, package_value, value_and_grads
 from torch import Tensor
 
-from contrastive_dist import DistributedInfoNCE, NTXentLoss, SigLIPLoss, SupConLoss
+from contrastive_dist import DistributedInfoNCE, NTXentLoss, SharedNegatives, SigLIPLoss, SupConLoss
 from contrastive_dist.testing import WorkerPool
 
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-6}
@@ -31,9 +31,15 @@ Case = tuple[str, int | None, tuple[int, int], str]
 
 
 def functional_step(kind: str, params: dict[str, Tensor], data: dict[str, Tensor], chunk: int | None, sizes):
-    """``kind`` may name ids and a mode: ``"siglip:positive:weighted"`` (ids with ``same_id="positive"``)."""
-    name, same_id, mode = (kind.split(":") + ["", "mean"])[:3]
-    value = package_value(name, mode, params, data, chunk_size=chunk, sizes=sizes, same_id=same_id)
+    """``kind`` may name ids, a mode and a variant: ``"siglip:positive:weighted"`` (ids with ``same_id="positive"``),
+    ``"clip:mask:mean:ring"`` (ring mode), ``"clip:mask:mean:shared"`` (shared negatives without ids, as a queue's)."""
+    name, same_id, mode, variant = (kind.split(":") + ["", "mean", ""])[:4]
+    options: dict[str, object] = {"communication": "ring"} if variant == "ring" else {}
+    if variant == "shared":  # the same keys on every rank, from a fixed seed
+        width = params["w_text"].shape[1]
+        keys = torch.randn(4, width, dtype=params["w_text"].dtype, generator=torch.Generator().manual_seed(7))
+        options["negatives"] = SharedNegatives(keys)
+    value = package_value(name, mode, params, data, chunk_size=chunk, sizes=sizes, same_id=same_id, **options)
     return value if mode != "none" else (value * data["upstream"][:, 0]).sum()
 
 
@@ -56,6 +62,12 @@ GROUPS = {
         (f"{kind}:{same_id}:{mode}", 2, (3, 2), "float64")
         for kind in ("clip", "ntxent", "siglip")
         for same_id, mode in (("mask", "weighted"), ("positive", "none"))
+    ],
+    # Ring mode (no environment variable needed), and ids whose columns do not fill the block.
+    "ring and shared negatives": [
+        ("clip:mask:mean:ring", 2, (3, 2), "float64"),
+        ("siglip::mean:ring", None, (2, 0), "float64"),
+        ("clip:mask:weighted:shared", 2, (3, 2), "float64"),
     ],
 }
 """Cases in groups of a few compilations each, so that every test stays well inside its time bound."""

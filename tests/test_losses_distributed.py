@@ -255,6 +255,7 @@ def _bad_input_on_rank_one(rank: int, world_size: int, communication: str) -> di
     good, labels, ones = F.normalize(torch.randn(4, 8), dim=-1), torch.tensor([0, 1, 0, 1]), torch.ones(4)
     mode: dict[str, Any] = {"communication": communication}
     negative_dtype = torch.float64 if bad else torch.float32
+    ids, shared = {"ids": labels}, torch.ones(2, 8)  # shared negatives: the same keys on every rank
     calls: dict[str, Callable[[], object]] = {
         "info_nce rows": lambda: info_nce(good, good[:3] if bad else good, **mode),
         "info_nce one-way ndim": lambda: info_nce(good[0] if bad else good, good[0] if bad else good,
@@ -284,10 +285,16 @@ def _bad_input_on_rank_one(rank: int, world_size: int, communication: str) -> di
         "ids length": lambda: siglip(good, good, 2.0, -1.0, ids=labels[:3] if bad else labels, **mode),
         "same_id": lambda: nt_xent(good, good, ids=labels, same_id="both" if bad else "mask", **mode),  # type: ignore[arg-type]
         "negative_ids without negatives": lambda: info_nce(
-            good, good, negatives=None if bad else torch.randn(2, 8), negative_ids=labels[:2], **mode
+            good, good, negatives=None if bad else torch.randn(2, 8), negative_ids=labels[:2], **mode, **ids
+        ),
+        "negative_ids without ids": lambda: info_nce(
+            good, good, negatives=torch.randn(2, 8), negative_ids=labels[:2], **mode, **({} if bad else ids)
+        ),
+        "shared negative_ids without ids": lambda: info_nce(
+            good, good, negatives=SharedNegatives(shared), negative_ids=labels[:2], **mode, **({} if bad else ids)
         ),
         "negative_ids length": lambda: info_nce(
-            good, good, negatives=torch.randn(2, 8), negative_ids=labels[:3] if bad else labels[:2], **mode
+            good, good, negatives=torch.randn(2, 8), negative_ids=labels[:3] if bad else labels[:2], **mode, **ids
         ),
     }
     # No rank is wrong alone: the ranks disagree. Each would otherwise hang or abort the transport.
@@ -305,6 +312,16 @@ def _bad_input_on_rank_one(rank: int, world_size: int, communication: str) -> di
         ),
         "options: shared negatives": lambda: info_nce(
             good, good, negatives=SharedNegatives(torch.randn(2, 8)) if bad else torch.randn(2, 8), **mode
+        ),
+        "options: shared negatives count": lambda: info_nce(
+            good, good, negatives=SharedNegatives(torch.ones(3 if bad else 2, 8)), **mode
+        ),
+        "options: shared negative_ids": lambda: info_nce(
+            good, good, negatives=SharedNegatives(shared), negative_ids=labels[:2] + int(bad), **mode, **ids
+        ),
+        "options: shared negative_ids order": lambda: info_nce(
+            good, good, negatives=SharedNegatives(shared), negative_ids=labels[:2].flip(0) if bad else labels[:2],
+            **mode, **ids
         ),
         "inputs: feature width": lambda: supcon(good[:, :5] if bad else good, labels, **mode),
         "inputs: negatives gradient": lambda: info_nce(
@@ -339,6 +356,11 @@ def test_bad_input_or_differing_options_raise_the_same_error_on_every_rank(
             assert outcome[name] == per_rank[1][name], f"rank {rank} {name}: not the same error as rank 1"
     assert "('gather', 'ring')" in per_rank[0]["info_nce communication"][1]  # type: ignore[index]
     assert "different options (temperature)" in per_rank[0]["options: temperature"][1]  # type: ignore[index]
+    assert "but no ids= were passed" in per_rank[0]["negative_ids without ids"][1]  # type: ignore[index]
+    assert "but no ids= were passed" in per_rank[0]["shared negative_ids without ids"][1]  # type: ignore[index]
+    for name in ("options: shared negatives count", "options: shared negative_ids",
+                 "options: shared negative_ids order"):
+        assert "different options (shared_negatives)" in per_rank[0][name][1], name  # type: ignore[index]
 
 
 def _retrieval_on_ranks(rank: int, world_size: int, shards: tuple[int, ...]) -> dict[str, Tensor]:

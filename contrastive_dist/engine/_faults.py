@@ -16,6 +16,15 @@ rank's log. :func:`naming_peers` wraps a collective and turns such a failure int
 
 Only transport failures are translated; any other error (a wrong dtype, a ``ValueError`` of the
 package) passes through unchanged. The cost is a ``try`` around the collective: nothing on the wire.
+
+**The rank that died, not the neighbour that waited for it.** A transfer talks to one peer or a
+few, and with four or more ranks a survivor often waits on a *live* rank (a ring neighbour, or the
+next rank of gloo's ring all-gather) that stopped on the same failure. Before raising, a rank whose
+transfer failed holds a roll call through the group's store (``_rollcall``), and
+:func:`wait_named` waits in short slices, checking between them whether another rank raised the
+alarm: every survivor then names the ranks that are gone (``suspects``), within about
+:data:`~contrastive_dist.engine._rollcall.ROLL_CALL_S` seconds of the first error, and none waits
+for the process group's timeout because a live neighbour stopped sending.
 """
 
 from __future__ import annotations
@@ -24,10 +33,14 @@ import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["PeerFailureError", "is_transport_failure", "naming_peers"]
+from contrastive_dist.engine._rollcall import alarm_seen, gone_ranks, watch
+from contrastive_dist.engine._waiter import in_slices, in_thread
+
+__all__ = ["PeerFailureError", "is_transport_failure", "naming_peers", "wait_named"]
 
 # gloo's words for a peer that went away or never answered (pair.cc, unbound_buffer.cc, context.cc),
 # and the generic socket ones; NCCL and the stores raise torch.distributed.DistError subclasses.
@@ -102,10 +115,76 @@ def naming_peers(operation: str, group: ProcessGroup | None, *, peers: Sequence[
         raise _named(error, operation, group, peers) from error
 
 
+def wait_named(
+    work: dist.Work | None,
+    operation: str,
+    group: ProcessGroup | None,
+    *,
+    peers: Sequence[int] | None = None,
+    sliced: bool = True,
+    point_to_point: bool = False,
+) -> None:
+    """``work.wait()``, named on failure; in short slices that watch the store for ranks gone elsewhere.
+
+    Args:
+        work: the posted collective or transfer (``None``: nothing to wait for).
+        operation: what the work does, in the words of the error.
+        group: the process group it runs on (``None``: the world).
+        peers: the group ranks it talks to, where that is one or a few (``None``: every other rank).
+        sliced: whether to wait in slices (CPU tensors; an accelerator's wait only orders its stream).
+        point_to_point: a send or receive, whose wait cannot be cut into slices (``_waiter``).
+    """
+    if work is None:
+        return
+    with naming_peers(operation, group, peers=peers):
+        if not sliced or torch.compiler.is_compiling():
+            work.wait()
+            return
+        watch(group)
+        finished = in_thread(work) if point_to_point else in_slices(work)
+        incident = 0
+        while not finished():
+            # Still waiting: did a rank elsewhere raise the alarm, and is someone gone?
+            newer = alarm_seen(group, incident)
+            if newer:
+                gone = gone_ranks(group, incident=newer)
+                if gone:
+                    raise _gone_elsewhere(operation, group, peers, gone)
+                incident = newer
+
+
+def _gone_elsewhere(
+    operation: str, group: ProcessGroup | None, peers: Sequence[int] | None, gone: Sequence[int]
+) -> PeerFailureError:
+    """The error of a rank that waited on live peers while ranks elsewhere were gone."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    waited = f" on {_ranks(sorted(set(peers) - {rank}), group)}" if peers else ""
+    message = (
+        f"{operation} failed on rank {rank} of {world_size}: {_gone_cause(gone, group)}. This rank was waiting"
+        f"{waited} and learnt it from the other ranks through the process group's store (no transport error here)"
+    )
+    return PeerFailureError(message, operation=operation, rank=rank, suspects=gone, timed_out=False)
+
+
+def _gone_cause(gone: Sequence[int], group: ProcessGroup | None) -> str:
+    ranks = _ranks(gone, group)
+    if len(gone) == 1:
+        return (f"{ranks} is gone: it did not answer the roll call through the process group's store, so its "
+                f"process exited or was killed, and its own first error is the cause: look for it in {ranks}'s log")
+    return (f"{ranks} are gone: they did not answer the roll call through the process group's store, so their "
+            f"processes exited or were killed, and their own first errors are the cause: look in their logs")
+
+
 def _named(
     error: RuntimeError, operation: str, group: ProcessGroup | None, peers: Sequence[int] | None
 ) -> PeerFailureError:
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    gone = gone_ranks(group)  # the peer this transfer talked to may be a live one that stopped on the failure
+    if gone:
+        message = f"{operation} failed on rank {rank} of {world_size}: {_gone_cause(gone, group)}. " \
+                  f"Transport error: {first_line}"
+        return PeerFailureError(message, operation=operation, rank=rank, suspects=gone, timed_out=False)
     suspects = sorted(set(peers) - {rank}) if peers is not None else [r for r in range(world_size) if r != rank]
     timed_out = bool(_TIMEOUT_WORDS.search(str(error)))
     ranks = _ranks(suspects, group)  # "rank 2" or "ranks [1, 2]"
@@ -124,7 +203,6 @@ def _named(
             f"the connection to {who} was closed: that process most likely exited or crashed, and its own first "
             f"error is the cause: look for it in {its}"
         )
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     message = f"{operation} failed on rank {rank} of {world_size}: {cause}. Transport error: {first_line}"
     return PeerFailureError(message, operation=operation, rank=rank, suspects=suspects, timed_out=timed_out)
 

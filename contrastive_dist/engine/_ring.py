@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist.engine._faults import naming_peers
+from contrastive_dist.engine._faults import naming_peers, wait_named
 
 __all__ = ["Ring", "circulate"]
 
@@ -56,11 +56,11 @@ class _Pending:
     def wait(self) -> None:
         # One work per operation (gloo); a backend that coalesces the batch returns fewer: both neighbours.
         per_work = len(self._peers) == len(self._works)
+        sliced = all(buffer.device.type == "cpu" for buffer in self._buffers)
         for index, work in enumerate(self._works):
             peer, way = self._peers[index] if per_work else (None, "")
             peers = (peer,) if peer is not None else self._ring.neighbours()
-            with naming_peers(f"{self._step}{way}", self._ring.group, peers=peers):
-                work.wait()
+            wait_named(work, f"{self._step}{way}", self._ring.group, peers=peers, sliced=sliced, point_to_point=True)
         self._works, self._buffers = [], ()
 
 
@@ -91,7 +91,9 @@ class Ring:
         """The previous rank (this one sends to it) and the next (this one receives from it)."""
         return (self.rank - 1) % self.world_size, (self.rank + 1) % self.world_size
 
-    def shift(self, outgoing: Sequence[Tensor], incoming: Sequence[Tensor], *, step: str = "ring step") -> _Pending:
+    def shift(
+        self, outgoing: Sequence[Tensor], incoming: Sequence[Tensor], *, step: str = "ring step"
+    ) -> _Pending | _TracedPending:
         """Post sends of ``outgoing`` to the previous rank and receives into ``incoming`` from the next.
 
         Empty tensors are skipped (the other end, knowing the sizes, skips them too). Tags number
@@ -99,6 +101,8 @@ class Ring:
         the hop in the error raised when a neighbour vanished.
         """
         previous, following = self.neighbours()
+        if torch.compiler.is_compiling():
+            return _traced_shift(self, outgoing, incoming)
         ops, peers = [], []
         for kind, tensors, peer, way in (
             (dist.isend, outgoing, previous, f" (sending to rank {previous})"),
@@ -111,6 +115,45 @@ class Ring:
         with naming_peers(step, self.group, peers=self.neighbours()):
             works = dist.batch_isend_irecv(ops) if ops else []
         return _Pending(works, (*outgoing, *incoming), peers, self, step)
+
+
+class _TracedPending:
+    """Under ``torch.compile``: the received blocks, copied into their buffers on :meth:`wait`."""
+
+    def __init__(self, received: list[tuple[Tensor, Tensor]]) -> None:
+        self._received = received
+
+    def wait(self) -> None:
+        for buffer, block in self._received:
+            buffer.copy_(block)
+        self._received = []
+
+
+def _traced_shift(ring: Ring, outgoing: Sequence[Tensor], incoming: Sequence[Tensor]) -> _TracedPending:
+    """The same hop through the functional point-to-point op, which dynamo traces as it is.
+
+    ``dist.P2POp`` and ``dist.batch_isend_irecv`` trace only with dynamo's experimental
+    ``enable_p2p_compilation`` (``TORCHDYNAMO_ENABLE_P2P_COMPILATION=1``); the op they are traced
+    into needs no flag, so ring mode compiles without one. Peers are ranks of the group here.
+    """
+    import torch.distributed._functional_collectives as funcol
+
+    previous, following = ring.neighbours()
+    posted = [
+        (name, peer, tag, tensor)
+        for name, blocks, peer in (("isend", outgoing, previous), ("irecv", incoming, following))
+        for tag, tensor in enumerate(blocks)
+        if tensor.numel()
+    ]
+    if not posted:
+        return _TracedPending([])
+    group = ring.group if ring.group is not None else dist.group.WORLD
+    names, peers, tags, tensors = (list(column) for column in zip(*posted, strict=True))
+    results = funcol.batch_p2p_ops_inplace(names, peers, tags, tensors, group.group_name)  # type: ignore[union-attr]
+    # A receive's result is already waited on under tracing; sends complete with the graph.
+    received = [(tensor, result) for name, tensor, result in zip(names, tensors, results, strict=True)
+                if name == "irecv"]
+    return _TracedPending(received)
 
 
 def circulate(
@@ -141,7 +184,7 @@ def circulate(
     """
     block, accumulator = own_block, None
     incoming: Tensor | None = None
-    accumulator_transfer: _Pending | None = None
+    accumulator_transfer: _Pending | _TracedPending | None = None
     for step in range(ring.world_size):
         last = step == ring.world_size - 1
         hop = f"ring step {step + 1} of {ring.world_size}"

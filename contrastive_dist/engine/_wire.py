@@ -40,7 +40,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
@@ -48,7 +47,7 @@ from einops import reduce, repeat
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist.engine._faults import naming_peers
+from contrastive_dist.engine._faults import naming_peers, wait_named
 from contrastive_dist.engine._settle import settled
 
 __all__ = [
@@ -77,28 +76,39 @@ def all_gather_single(
         input: ``(n, *rest)`` → output: ``(world_size · n, *rest)``
     """
     gather = _all_gather_single
-    _named_and_settled(operation, group, lambda views: gather(views[0], views[1], group=group), (output, input))
+    _named_and_settled(
+        operation, group, lambda views: gather(views[0], views[1], group=group, async_op=True), (output, input)
+    )
 
 
 def all_reduce(tensor: Tensor, group: ProcessGroup | None = None, *, operation: str = "all-reduce") -> None:
     """Sum ``tensor`` over the ranks, in place, named on failure, settled."""
     _named_and_settled(
-        operation, group, lambda views: dist.all_reduce(views[0], op=dist.ReduceOp.SUM, group=group), (tensor,)
+        operation,
+        group,
+        lambda views: dist.all_reduce(views[0], op=dist.ReduceOp.SUM, group=group, async_op=True),
+        (tensor,),
     )
 
 
 def _named_and_settled(
-    operation: str, group: ProcessGroup | None, run: Callable[[list[Tensor]], object], tensors: Sequence[Tensor]
+    operation: str, group: ProcessGroup | None, post: Callable[[list[Tensor]], dist.Work | None],
+    tensors: Sequence[Tensor],
 ) -> None:
-    """The two wrappers of every collective here: ``settled(run, tensors)``, a transport failure named ``operation``."""
-    with naming_peers(operation, group):
-        settled(run, tensors)
+    """The wrappers of every collective here: ``post(views)``, waited on by ``wait_named``, settled.
+
+    ``post`` runs the collective with ``async_op=True``; the wait is named on failure and watches
+    for ranks gone elsewhere (``_faults``); the call returns once gloo let go of the views (``_settle``).
+    """
+    sliced = all(tensor.device.type == "cpu" for tensor in tensors)
+    with naming_peers(operation, group):  # a failure while posting
+        settled(lambda views: wait_named(post(views), operation, group, sliced=sliced), tensors)
 
 
-def _naming_source(owner: int, rank: int, group: ProcessGroup | None) -> AbstractContextManager[None]:
-    """Name a failed broadcast of ``owner``'s rows by its one peer, the source (this rank's own: all of them)."""
+def _source_operation(owner: int, rank: int) -> tuple[str, tuple[int, ...] | None]:
+    """A broadcast of ``owner``'s rows, named by its one peer, the source (this rank's own: all of them)."""
     source = "this rank's rows" if owner == rank else f"rank {owner}'s rows"
-    return naming_peers(f"gather (broadcast of {source})", group, peers=None if owner == rank else (owner,))
+    return f"gather (broadcast of {source})", None if owner == rank else (owner,)
 
 
 # gloo and NCCL have no bool reduction; bool rows travel as uint8 (same bytes).
@@ -154,7 +164,7 @@ def gather_rows(x: Tensor, sizes: Sequence[int], rank: int, group: ProcessGroup 
             group,
             lambda views: dist.all_to_all_single(
                 views[0], views[1], output_split_sizes=list(sizes), input_split_sizes=[sizes[rank]] * world_size,
-                group=group,
+                group=group, async_op=True,
             ),
             (out, send),
         )
@@ -179,8 +189,8 @@ def _broadcast_blocks(out: Tensor, wire: Tensor, sizes: Sequence[int], rank: int
                 works.append((owner, work))
     works.sort(key=lambda pending: pending[0] == rank)  # stable: the others in rank order, this rank's last
     for owner, work in works:
-        with _naming_source(owner, rank, group):
-            work.wait()
+        operation, peers = _source_operation(owner, rank)
+        wait_named(work, operation, group, peers=peers)
 
 
 STATUS_OK, STATUS_BAD_ROWS, STATUS_OK_WITH_GRAD = 0, 1, 2
@@ -236,8 +246,10 @@ def _broadcast_in_order(
         if owner == rank:
             block[:size] = payload
             block[size] = status
-        with _naming_source(owner, rank, group):
-            dist.broadcast(block, src=_global_rank(group, owner), group=group)
+        operation, peers = _source_operation(owner, rank)
+        with naming_peers(operation, group, peers=peers):
+            work = dist.broadcast(block, src=_global_rank(group, owner), group=group, async_op=True)
+        wait_named(work, operation, group, peers=peers)
         statuses.append(int(block[size].flatten()[0]) if block[size].numel() else STATUS_OK)
         start += size
 
@@ -282,14 +294,17 @@ def reduce_scatter_rows(grad: Tensor, sizes: Sequence[int], rank: int, group: Pr
     if min(sizes) == max(sizes) and _on_accelerator(grad):
         out = grad.new_empty((local, *grad.shape[1:]))
         scatter = _reduce_scatter_single
-        _named_and_settled(operation, group, lambda views: scatter(views[0], views[1], group=group), (out, grad))
+        _named_and_settled(
+            operation, group, lambda views: scatter(views[0], views[1], group=group, async_op=True), (out, grad)
+        )
         return out
     received = grad.new_empty((world_size * local, *grad.shape[1:]))
     _named_and_settled(
         operation,
         group,
         lambda views: dist.all_to_all_single(
-            views[0], views[1], output_split_sizes=[local] * world_size, input_split_sizes=list(sizes), group=group
+            views[0], views[1], output_split_sizes=[local] * world_size, input_split_sizes=list(sizes), group=group,
+            async_op=True,
         ),
         (received, grad),
     )

@@ -23,7 +23,14 @@ from contrastive_dist.engine._ring import Ring
 from contrastive_dist.engine.gather import gather_agreed
 from contrastive_dist.losses._columns import Columns, OneBlock, RingBlocks
 
-__all__ = ["SharedNegatives", "check_negatives", "negatives_kind", "with_own_negatives"]
+__all__ = [
+    "SharedNegatives",
+    "check_negative_ids",
+    "check_negatives",
+    "negatives_kind",
+    "shared_negatives_option",
+    "with_own_negatives",
+]
 
 
 class SharedNegatives(NamedTuple):
@@ -70,6 +77,53 @@ def negatives_kind(negatives: object) -> str:
     if negatives is None:
         return "none"
     return "shared" if isinstance(negatives, SharedNegatives) else "own"
+
+
+def check_negative_ids(negative_ids: object, ids: object, negatives: object) -> None:
+    """``negative_ids=`` names the negatives' ids against the rows' ids: it needs both ``negatives=`` and ``ids=``."""
+    if negative_ids is None:
+        return
+    if negatives is None:
+        raise ValueError("negative_ids= gives the ids of negatives=, but no negatives were passed")
+    if ids is None:
+        raise ValueError(
+            "negative_ids= gives the ids of negatives=, which are compared with the rows' ids= (a negative "
+            "sharing a row's id is masked or a positive), but no ids= were passed: pass ids= (one int64 id "
+            "per row) too, or drop negative_ids="
+        )
+
+
+_MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: a fixed odd multiplier that spreads the bits
+
+
+def shared_negatives_option(negatives: object, negative_ids: object) -> str | None:
+    """What every rank must agree on of shared negatives: their count and a digest of their ids.
+
+    Shared negatives are the same on every rank by contract; a rank whose queue holds other ids
+    (a different count, or ids in another order) would silently compute another loss. Their ids
+    are one int64 per key: digested on their device in one pass (``(K,)``, no copy of the keys),
+    read with the agreement's own synchronisation. Under ``torch.compile`` nothing is exchanged, so
+    nothing is compared, as for every option there.
+
+    Example:
+        >>> import torch
+        >>> keys = SharedNegatives(torch.randn(3, 4))
+        >>> shared_negatives_option(keys, None)
+        '3 keys'
+        >>> in_order, swapped = torch.tensor([5, 6, 7]), torch.tensor([5, 7, 6])
+        >>> shared_negatives_option(keys, in_order) != shared_negatives_option(keys, swapped)
+        True
+    """
+    if not isinstance(negatives, SharedNegatives) or not isinstance(negatives.keys, Tensor):
+        return None
+    text = f"{negatives.keys.shape[0] if negatives.keys.ndim else 0} keys"
+    ids = negative_ids
+    if not isinstance(ids, Tensor) or ids.dtype != torch.int64 or ids.ndim != 1 or torch.compiler.is_compiling():
+        return text  # wrong ids are this rank's problem, raised by the checks; no digest under compile
+    position = torch.arange(1, ids.shape[0] + 1, dtype=torch.int64, device=ids.device) * _MIX
+    mixed = (ids + position) * (position | 1)  # int64 arithmetic wraps: a digest, not a sum of ids
+    digest = int((mixed ^ (mixed >> 31)).sum()) & (2**48 - 1)
+    return f"{text}, negative_ids #{digest:012x}"
 
 
 def with_own_negatives(columns: Columns, negatives: Sequence[Tensor | None], layout: Layout) -> Columns:

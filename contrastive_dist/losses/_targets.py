@@ -125,9 +125,11 @@ class Targets(NamedTuple):
             return None
         keyed = self.column_keys.shape[0]
         if keyed == like.shape[1]:
-            return torch.eq(self.row_keys[:, None], self.column_keys[None, :], out=torch.empty_like(like))
+            # A fresh contiguous out= (empty_like would copy a transposed block's strides, refused by torch.compile).
+            return torch.eq(self.row_keys[:, None], self.column_keys[None, :], out=like.new_empty(like.shape))
         same = like.new_zeros(like.shape)
-        torch.eq(self.row_keys[:, None], self.column_keys[None, :], out=same[:, :keyed])
+        # Assigned, not written through out= (a column slice is not contiguous, which torch.compile refuses).
+        same[:, :keyed] = torch.eq(self.row_keys[:, None], self.column_keys[None, :])
         return same
 
     def positive_mask(self, like: Tensor) -> Tensor | None:

@@ -14,7 +14,14 @@ from contrastive_dist.engine._agreement import agree
 from contrastive_dist.losses._columns import Columns, meet
 from contrastive_dist.losses._kernel import SOFTMAX, Pairs
 from contrastive_dist.losses._module import TemperatureLoss
-from contrastive_dist.losses._negatives import SharedNegatives, check_negatives, negatives_kind, with_own_negatives
+from contrastive_dist.losses._negatives import (
+    SharedNegatives,
+    check_negative_ids,
+    check_negatives,
+    negatives_kind,
+    shared_negatives_option,
+    with_own_negatives,
+)
 from contrastive_dist.losses._options import (
     Communication,
     Reduction,
@@ -158,8 +165,7 @@ def info_nce(
         check_communication(communication)
         check_same_id(same_id)
         extra = check_negatives(negatives, texts)
-        if negative_ids is not None and extra is None:
-            raise ValueError("negative_ids= gives the ids of negatives=, but no negatives were passed")
+        check_negative_ids(negative_ids, ids, extra)
         extra_rows = 0 if extra is None else (extra.keys if isinstance(extra, SharedNegatives) else extra).shape[0]
         return _Arguments(
             images,
@@ -196,6 +202,7 @@ def info_nce(
             ids=ids is not None,
             same_id=same_id,
             negative_ids=negative_ids is not None,
+            shared_negatives=shared_negatives_option(negatives, negative_ids),  # identical on every rank
         ),
         sizes=sizes,
         extra=0 if own_negatives is None else own_negatives.shape[0],
