@@ -66,8 +66,7 @@ def test_clip_end_to_end_and_resumed_curves_cover_the_whole_run(tmp_path: Path, 
 
     result = run("clip.py", *common, "--max-steps", "7", "--resume", str(out / "checkpoints/last.ckpt"), cwd=tmp_path)
     assert "steps 5-7 (resumed; the run has 7 steps)" in check_summary(result)
-    monkeypatch.syspath_prepend(str(RECIPES))
-    from shared import read_metrics
+    from contrastive_dist.lightning.report import read_metrics
 
     first, resumed = metrics(out, 0), metrics(out, 1)
     assert max(int(row["step"]) for row in first) < min(int(row["step"]) for row in resumed)
@@ -209,8 +208,7 @@ def test_module_docstring_gives_the_launch_commands(recipe: str) -> None:
 
 
 def test_shapes_background_options(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(RECIPES))
-    from shared import ShapesDataset
+    from contrastive_dist.shapes import ShapesDataset
 
     default = ShapesDataset("train", size=32, seed=3)
     explicit = ShapesDataset("train", size=32, seed=3, background_noise=0.04, tint_spread=0.2)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def run_folder(root: Path, *, output_dir: Path | None = None, resume: Path | Non
     """The folder a run writes to, and the checkpoint it resumes from (or ``None``).
 
     * New run, no ``output_dir``: a fresh ``root/version_N`` (``N`` one above the highest there).
-    * New run with ``output_dir``: that folder, which must not hold a run yet unless ``overwrite``.
+    * New run with ``output_dir``: that folder, which must not hold a run yet; ``overwrite`` empties it.
     * ``resume``: a run folder (its ``checkpoints/last.ckpt`` is loaded and the run continues in it)
       or a checkpoint file (the run continues in the folder that holds its ``checkpoints/``, or in
       ``output_dir`` when given).
@@ -81,6 +82,8 @@ def run_folder(root: Path, *, output_dir: Path | None = None, resume: Path | Non
                  if (match := _VERSION.fullmatch(path.name))]
         folder = root / f"version_{max(taken, default=-1) + 1}"
     if os.environ.get("RANK", "0") == "0":  # under torchrun, only global rank 0 writes
+        if overwrite and checkpoint is None and _holds_a_run(folder):
+            shutil.rmtree(folder)  # its logs would otherwise join this run's curves
         folder.mkdir(parents=True, exist_ok=True)
         os.environ[RUN_FOLDER_VARIABLE] = str(folder)
     return folder, checkpoint

@@ -57,12 +57,15 @@ class MidEpochCheckpoint(L.Callback):
         return {"processes": trainer.world_size, **self.extra_layout}
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        """Note the first step of this invocation."""
         self.start_step = trainer.global_step  # > 0 when resumed
 
     def on_save_checkpoint(self, trainer: L.Trainer, module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Record the layout in the checkpoint."""
         checkpoint["recipe_layout"] = self.layout(trainer)
 
     def on_load_checkpoint(self, trainer: L.Trainer, module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Read the layout of the checkpoint resumed from."""
         self.saved_layout = checkpoint.get("recipe_layout")
 
     def _save(self, trainer: L.Trainer) -> None:
@@ -71,6 +74,7 @@ class MidEpochCheckpoint(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        """Save every ``every`` steps; stop (and so validate) at the last step."""
         last_step = 0 < trainer.max_steps <= trainer.global_step
         last_batch = (trainer.current_epoch + 1 == trainer.max_epochs
                       and batch_idx + 1 == trainer.num_training_batches)
@@ -80,6 +84,7 @@ class MidEpochCheckpoint(L.Callback):
             self._save(trainer)
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        """Save the last step when no save has."""
         if self.saved_at != trainer.global_step:  # stopped at an epoch's end or by max_time
             self._save(trainer)
 
@@ -91,6 +96,7 @@ class PlainProgress(L.Callback):
         self.start = time.perf_counter()
 
     def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        """Print the line, on global rank 0."""
         if trainer.sanity_checking or not trainer.is_global_zero:
             return
         values = "  ".join(f"{key} {float(value):.4f}" for key, value in sorted(trainer.callback_metrics.items()))
