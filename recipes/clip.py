@@ -314,10 +314,10 @@ def main(argv: Sequence[str] | None = None, callbacks: Sequence[L.Callback] = ()
               f"train with: python {sys.argv[0]} --data webdataset:{args.write_shards}")
         return
     kind, _, location = args.data.partition(":")
-    try:
+    try:  # the data first: a run that cannot start leaves no folder
+        train_set, val_set = DATA_SOURCES[kind](location, args)
         args.output_dir, checkpoint = run_folder(Path("runs/clip"), output_dir=args.output_dir, resume=args.resume,
                                                  overwrite=args.overwrite)
-        train_set, val_set = DATA_SOURCES[kind](location, args)
     except (OSError, ValueError) as error:
         sys.exit(f"error: {error}")
     model = CLIP(args, train_set, val_set)

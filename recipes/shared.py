@@ -11,8 +11,12 @@ import argparse
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
+
+# Lightning's own use of a deprecated torch pytree name: noise for the user of a recipe.
+warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 
 BACKBONES = ("resnet-small", "resnet18")
 NORMS = ("batch", "group")

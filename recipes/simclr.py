@@ -365,10 +365,10 @@ def main(argv: Sequence[str] | None = None, callbacks: Sequence[L.Callback] = ()
     args = parse_args(argv)
     L.seed_everything(args.seed, workers=True, verbose=False)
     kind, _, location = args.data.partition(":")
-    try:
+    try:  # the data first: a run that cannot start leaves no folder
+        train, bank, queries, classes = DATA_SOURCES[kind](location, args)
         args.output_dir, checkpoint = run_folder(Path("runs/simclr"), output_dir=args.output_dir,
                                                  resume=args.resume, overwrite=args.overwrite)
-        train, bank, queries, classes = DATA_SOURCES[kind](location, args)
     except (OSError, ValueError, RuntimeError) as error:  # torchvision: RuntimeError for a missing CIFAR-10
         sys.exit(f"error: {error}")
     augment = None if args.deterministic_data else simclr_augment(args)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_recipes import RECIPES, TINY_CLIP, run, weights
+from test_recipes import TINY_CLIP, run, weights
 
 wds = pytest.importorskip("webdataset")
 

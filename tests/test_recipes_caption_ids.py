@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_recipes import RECIPES, TINY_CLIP, check_summary, floating_weights_close, metrics, run, weights
+from test_recipes import TINY_CLIP, check_summary, floating_weights_close, metrics, run, weights
 
 from contrastive_dist import retrieval_accuracy
-
 from contrastive_dist.lightning.image_text import caption_id
 from contrastive_dist.lightning.retrieval import recall_by_chance
 from contrastive_dist.lightning.retrieval import recall_by_id as recall_by_caption
