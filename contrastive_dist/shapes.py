@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 __all__ = [
-    "COLOURS", "COMBINATIONS", "KINDS", "SHAPES", "ShapesDataset", "caption", "kind_caption", "normalize", "render",
+    "ShapesDataset", "caption", "kind_caption", "normalize", "render",
 ]
 
 SHAPES = ("circle", "square", "triangle", "cross", "ring")
@@ -128,7 +128,8 @@ class ShapesDataset(Dataset):
         kinds = kinds[: round(duplicate_captions * KINDS)]
         coarse = torch.isin(attributes[:, 0] * len(COLOURS) + attributes[:, 1], kinds)
         for index in coarse.nonzero().flatten().tolist():
-            self.captions[index] = kind_caption(*attributes[index, :2].tolist(), forms[index])
+            shape, colour = attributes[index, :2].tolist()
+            self.captions[index] = kind_caption(shape, colour, forms[index])
 
     def __len__(self) -> int:
         return len(self.captions)

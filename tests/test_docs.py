@@ -113,3 +113,15 @@ def test_the_notebooks_are_pages_with_their_figures(site: Path) -> None:
         assert figures, f"{notebook.name}: no figure on its page"
         assert all((page.parent / figure).resolve().is_file() for figure in figures)
         assert "<math" in html or "$" not in notebook.read_text(), f"{notebook.name}: its formulas are not rendered"
+
+
+@pytest.mark.timeout(300)
+def test_long_signatures_render_formatted_on_several_lines_that_fit_the_column(site: Path) -> None:
+    # Without a formatter (ruff, in the docs extra) mkdocstrings writes a signature as one line: info_nce's
+    # ran past 500 characters, cut at the page's edge.
+    html = entry(site, "contrastive_dist.info_nce")
+    code = re.search(r'class="[^"]*doc-signature[^"]*"><pre><span></span><code>(.*?)</code>', html, flags=re.DOTALL)
+    assert code is not None, "info_nce: no signature block"
+    lines = re.sub(r"<[^>]+>", "", code.group(1)).splitlines()
+    assert len(lines) > 10 and lines[0] == "info_nce(" and lines[-1].startswith(")"), lines
+    assert max(map(len, lines)) <= 80, max(lines, key=len)

@@ -28,7 +28,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-__all__ = ["IMAGE_EXTENSIONS", "CsvImageText", "ImageText", "caption_id", "csv_rows", "shard_stream", "shard_urls",
+__all__ = ["CsvImageText", "ImageText", "caption_id", "csv_rows", "shard_stream", "shard_urls",
            "write_shards"]
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")

@@ -26,7 +26,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-__all__ = ["RUN_FOLDER_VARIABLE", "check_global_batch", "run_folder"]
+__all__ = ["check_global_batch", "run_folder"]
 
 # Lightning's ddp launcher starts the other ranks of a machine as new processes with the parent's
 # environment: the folder chosen by the parent travels in it, so every rank writes to the same one.
