@@ -48,6 +48,7 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
 
 
+@pytest.mark.timeout(480)  # four runs (one of them 1 step on 1 process) and a refusal
 def test_clip_end_to_end_resumed_by_folder_and_a_new_run_keeps_the_old_one(tmp_path: Path) -> None:
     usage = run("clip.py", "--help", cwd=tmp_path).stdout
     assert "--num-nodes" in usage and "(default: filepath)" in usage and "(default: title)" in usage
