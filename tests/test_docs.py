@@ -134,3 +134,13 @@ def test_cross_references_read_on_a_forge_too() -> None:
     found = [f"{page.relative_to(DOCS)}: {match.group(0)}" for page in DOCS.rglob("*.md") if page.parent != API
              for match in autoref.finditer(page.read_text())]
     assert not found, found[:5]
+
+
+CODE_COLUMN = 100  # characters of a code line the site's column shows; docs/assets/extra.css wraps longer ones
+
+
+def test_code_lines_of_the_pages_fit_the_column() -> None:
+    fence = re.compile(r"^```(python|bash)\n(.*?)^```", flags=re.DOTALL | re.MULTILINE)
+    wide = [f"{page.relative_to(DOCS)}: {line}" for page in DOCS.rglob("*.md")
+            for _, code in fence.findall(page.read_text()) for line in code.splitlines() if len(line) > CODE_COLUMN]
+    assert not wide, wide[:5]
