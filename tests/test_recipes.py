@@ -332,3 +332,30 @@ def test_simclr_queue_is_in_the_checkpoint_resumes_exactly_and_matches_ring_mode
     # Ring mode with the queue's shared negatives: the same run, to the same weights and queue.
     run("simclr.py", *common, "--max-steps", "5", "--output-dir", "ring", "--communication", "ring", cwd=tmp_path)
     floating_weights_close(one_go, weights(tmp_path / "ring/checkpoints/last.ckpt"), 1e-10)
+
+
+def test_a_csv_id_column_gives_the_loss_its_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from PIL import Image
+
+    for index in range(6):
+        Image.new("RGB", (8, 8), (index * 40, 0, 0)).save(tmp_path / f"{index}.png")
+    table = tmp_path / "labelled.tsv"
+    table.write_text("filepath\ttitle\tgroup\n" + "".join(f"{i}.png\ta picture\t{i // 3}\n" for i in range(6)))
+    monkeypatch.syspath_prepend(str(RECIPES))
+    import clip
+
+    args = clip.parse_args([*TINY_CLIP, "--data", f"csv:{table}", "--csv-id-column", "group", "--val-size", "2"])
+    assert args.csv_ids and args.caption_ids == "mask"  # the column's ids, masked by default
+    assert clip.parse_args([*TINY_CLIP, "--data", f"csv:{table}"]).caption_ids == "none"  # no "id" column
+    train, val = clip.csv_data(str(table), args)
+    model = clip.CLIP(args, train, val)
+    batch = model.collate([train[i] for i in range(len(train))])
+    assert batch[2].tolist() == [0, 0, 0, 1] and batch[3].tolist() == [0, 1, 2, 3]  # ids=, then the row indices
+    captured = {}
+    model.loss.forward = lambda *tensors, **options: captured.update(options) or tensors[0].sum()  # type: ignore
+    monkeypatch.setattr(clip.CLIP, "trainer", property(lambda self: None))  # one process, no Trainer
+    monkeypatch.setattr(clip, "step_sizes", lambda trainer, batch_idx: [4])
+    monkeypatch.setattr(model, "log", lambda *a, **k: None)
+    monkeypatch.setattr(model, "log_dict", lambda *a, **k: None)
+    model.training_step(batch, 0)
+    assert captured["ids"].tolist() == [0, 0, 0, 1]
