@@ -8,7 +8,7 @@ features of held-out images against a labelled bank, gathered from every rank; r
 the majority class. Default data: the generated shapes on a plain background (label: the shape,
 one of 5; colour, size and position are what the augmentations teach the features to ignore), no
 download. Loading is drop-last-free and resumable mid-epoch (``contrastive_dist.lightning``).
-Read this file and ``shared.py`` (shapes, backbone, flags, Trainer, report).
+Each run writes to a new ``runs/simclr/version_N`` (``--resume`` names the run to continue).
 
 ``--queue-size K`` trains the MoCo v2 way instead: keys from a momentum (EMA) copy of the encoder,
 and a :class:`contrastive_dist.DistributedMemoryQueue` of the last ``K`` keys of the global batches
@@ -36,31 +36,70 @@ torchrun (Lightning reads the torchelastic environment)::
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
+
+from shared import BACKBONES, parser_for, training_flags
+
+DATA_KINDS = ("shapes", "cifar10", "imagefolder")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = parser_for(__doc__)
+    training_flags(parser, batch_size=64, lr=2e-3, max_steps=200, val_every=50)
+    data = parser.add_argument_group("data and model")
+    data.add_argument("--data", default="shapes", help="'shapes' (generated, offline), 'imagefolder:PATH', "
+                      "'cifar10:ROOT'")
+    data.add_argument("--download", action="store_true", help="allow downloading CIFAR-10")
+    data.add_argument("--image-size", type=int, default=32, help="image side in pixels")
+    data.add_argument("--train-size", type=int, default=8192, help="generated training samples")
+    data.add_argument("--val-size", type=int, default=500, help="held-out query images")
+    data.add_argument("--bank-size", type=int, default=8192,
+                      help="labelled training images for k-NN; default: 8192, all of the generated training set")
+    data.add_argument("--background-noise", type=float, default=0.0,
+                      help="shapes: background pixel noise (std); 0.04 is the CLIP recipe's")
+    data.add_argument("--tint-spread", type=float, default=0.0,
+                      help="shapes: range of the per-image background tint; 0.2 is the CLIP recipe's")
+    data.add_argument("--min-crop", type=float, default=0.5, help="RandomResizedCrop minimum scale")
+    data.add_argument("--hue", type=float, default=0.5,
+                      help="ColorJitter hue range; 0.5 (any hue) makes the shape, not its colour, what views share")
+    data.add_argument("--deterministic-data", action="store_true", help="no augmentation (two identical views)")
+    data.add_argument("--backbone", choices=BACKBONES, default="resnet-small", help="image backbone")
+    data.add_argument("--width", type=int, default=16, help="resnet-small base width")
+    data.add_argument("--stem-stride", type=int, choices=(1, 2), default=1,
+                      help="resnet-small stem stride; 1 keeps full resolution for shapes a few pixels wide")
+    data.add_argument("--hidden", type=int, default=256, help="projection head hidden width")
+    data.add_argument("--out", type=int, default=64, help="projection dimension")
+    data.add_argument("--temperature", type=float, default=0.5, help="NT-Xent (or, with a queue, InfoNCE) temperature")
+    moco = parser.add_argument_group("memory queue (MoCo v2 style)")
+    moco.add_argument("--queue-size", type=int, default=0,
+                      help="keys of past global batches used as extra negatives, with a momentum key encoder; "
+                      "0: plain SimCLR")
+    moco.add_argument("--momentum", type=float, default=0.99,
+                      help="key encoder EMA momentum with --queue-size (MoCo uses 0.999 for runs of 10^5+ steps)")
+    args = parser.parse_args(argv)
+    if args.queue_size < 0 or not 0 <= args.momentum < 1:
+        parser.error(f"expected --queue-size >= 0 and --momentum in [0, 1), got {args.queue_size} and {args.momentum}")
+    kind = args.data.partition(":")[0]
+    if kind not in DATA_KINDS:
+        sys.exit(f"error: --data must be one of {DATA_KINDS} (with ':PATH' where needed), got {args.data!r}")
+    return args
+
+
+if __name__ == "__main__":
+    parse_args(None)  # --help and bad flags answer at once: the imports below take seconds
+
+import copy
+import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from shared import (
-    BACKBONES,
-    SHAPES,
-    ShapesDataset,
-    fit,
-    make_trainer,
-    normalize,
-    optimizer_and_schedule,
-    plot_curves,
-    print_summary,
-    read_metrics,
-    small_image_resnet,
-    training_flags,
-)
+from shared import make_trainer, optimizer_and_schedule, small_image_resnet
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
@@ -74,6 +113,10 @@ from contrastive_dist import (
     grad_cache,
 )
 from contrastive_dist.lightning import distributed_loader, step_sizes
+from contrastive_dist.lightning.report import plot_curves, print_summary, read_metrics
+from contrastive_dist.lightning.runs import check_global_batch, run_folder
+from contrastive_dist.lightning.training import fit
+from contrastive_dist.shapes import SHAPES, ShapesDataset, normalize
 
 # -- data -----------------------------------------------------------------------------------------
 
@@ -271,6 +314,7 @@ class SimCLR(L.LightningModule):
         else:
             loss = self.momentum_contrast(projections, views, sizes)
         self.log("train/loss", loss.detach(), sync_dist=True, prog_bar=True)
+        self.log("train/samples", float(sum(sizes)), rank_zero_only=True)
         return loss
 
     def momentum_contrast(self, projections: Tensor, views: Tensor, sizes: Sequence[int]) -> Tensor:
@@ -316,67 +360,29 @@ class SimCLR(L.LightningModule):
         return optimizer_and_schedule(self, self.args)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    training_flags(parser, batch_size=64, lr=2e-3, max_steps=200, val_every=50)
-    data = parser.add_argument_group("data and model")
-    data.add_argument("--data", default="shapes", help="'shapes' (generated, offline), 'imagefolder:PATH', "
-                      "'cifar10:ROOT'")
-    data.add_argument("--download", action="store_true", help="allow downloading CIFAR-10")
-    data.add_argument("--image-size", type=int, default=32, help="image side in pixels")
-    data.add_argument("--train-size", type=int, default=8192, help="generated training samples")
-    data.add_argument("--val-size", type=int, default=500, help="held-out query images")
-    data.add_argument("--bank-size", type=int, default=8192,
-                      help="labelled training images for k-NN (the default: all of the generated training set)")
-    data.add_argument("--background-noise", type=float, default=0.0,
-                      help="shapes: background pixel noise (std); 0.04 is the CLIP recipe's")
-    data.add_argument("--tint-spread", type=float, default=0.0,
-                      help="shapes: range of the per-image background tint; 0.2 is the CLIP recipe's")
-    data.add_argument("--min-crop", type=float, default=0.5, help="RandomResizedCrop minimum scale")
-    data.add_argument("--hue", type=float, default=0.5,
-                      help="ColorJitter hue range; 0.5 (any hue) makes the shape, not its colour, what views share")
-    data.add_argument("--deterministic-data", action="store_true", help="no augmentation (two identical views)")
-    data.add_argument("--backbone", choices=BACKBONES, default="resnet-small", help="image backbone")
-    data.add_argument("--width", type=int, default=16, help="resnet-small base width")
-    data.add_argument("--stem-stride", type=int, choices=(1, 2), default=1,
-                      help="resnet-small stem stride; 1 keeps full resolution for shapes a few pixels wide")
-    data.add_argument("--hidden", type=int, default=256, help="projection head hidden width")
-    data.add_argument("--out", type=int, default=64, help="projection dimension")
-    data.add_argument("--temperature", type=float, default=0.5, help="NT-Xent (or, with a queue, InfoNCE) temperature")
-    moco = parser.add_argument_group("memory queue (MoCo v2 style)")
-    moco.add_argument("--queue-size", type=int, default=0,
-                      help="keys of past global batches used as extra negatives, with a momentum key encoder; "
-                      "0: plain SimCLR")
-    moco.add_argument("--momentum", type=float, default=0.99,
-                      help="key encoder EMA momentum with --queue-size (MoCo uses 0.999 for runs of 10^5+ steps)")
-    args = parser.parse_args(argv)
-    if args.queue_size < 0 or not 0 <= args.momentum < 1:
-        parser.error(f"expected --queue-size >= 0 and --momentum in [0, 1), got {args.queue_size} and {args.momentum}")
-    args.output_dir = args.output_dir or Path("runs/simclr")
-    return args
-
-
 def main(argv: Sequence[str] | None = None, callbacks: Sequence[L.Callback] = ()) -> None:
     start = time.perf_counter()
     args = parse_args(argv)
     L.seed_everything(args.seed, workers=True, verbose=False)
     kind, _, location = args.data.partition(":")
-    if kind not in DATA_SOURCES:
-        sys.exit(f"error: --data must be one of {sorted(DATA_SOURCES)} (with ':PATH' where needed), got {args.data!r}")
-    try:
+    try:  # the data first: a run that cannot start leaves no folder
         train, bank, queries, classes = DATA_SOURCES[kind](location, args)
+        args.output_dir, checkpoint = run_folder(Path("runs/simclr"), output_dir=args.output_dir,
+                                                 resume=args.resume, overwrite=args.overwrite)
     except (OSError, ValueError, RuntimeError) as error:  # torchvision: RuntimeError for a missing CIFAR-10
         sys.exit(f"error: {error}")
     augment = None if args.deterministic_data else simclr_augment(args)
     model = SimCLR(args, TwoViews(train, augment), KnnSplit(bank, queries), classes)
     trainer = make_trainer(args, monitor="val/knn_accuracy", callbacks=callbacks)
-    if not fit(trainer, model, args):
+    if trainer.is_global_zero:  # NT-Xent: each view meets the 2·N - 2 views of the other images
+        global_batch = args.batch_size * trainer.world_size
+        check_global_batch(global_batch, negatives=2 * global_batch - 2,
+                           advice="raise --batch-size or --devices (the global batch is --batch-size × processes)")
+    if not fit(trainer, model, checkpoint):
         return
     labels = torch.tensor([queries[i][1] for i in range(len(queries))])
     chance = {"val/knn_accuracy": torch.bincount(labels, minlength=classes).max().item() / len(queries)}  # majority
-    files = {"metrics": Path(trainer.loggers[0].log_dir or ".") / "metrics.csv",
-             "checkpoints": args.output_dir / "checkpoints"}
+    files = {"run": args.output_dir, "metrics": Path(trainer.loggers[0].log_dir or ".") / "metrics.csv"}
     rows = read_metrics(args.output_dir)
     if not args.no_plots:
         files["curves"] = args.output_dir / "curves.png"

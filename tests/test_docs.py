@@ -113,3 +113,34 @@ def test_the_notebooks_are_pages_with_their_figures(site: Path) -> None:
         assert figures, f"{notebook.name}: no figure on its page"
         assert all((page.parent / figure).resolve().is_file() for figure in figures)
         assert "<math" in html or "$" not in notebook.read_text(), f"{notebook.name}: its formulas are not rendered"
+
+
+@pytest.mark.timeout(300)
+def test_long_signatures_render_formatted_on_several_lines_that_fit_the_column(site: Path) -> None:
+    # Without a formatter (ruff, in the docs extra) mkdocstrings writes a signature as one line: info_nce's
+    # ran past 500 characters, cut at the page's edge.
+    html = entry(site, "contrastive_dist.info_nce")
+    code = re.search(r'class="[^"]*doc-signature[^"]*"><pre><span></span><code>(.*?)</code>', html, flags=re.DOTALL)
+    assert code is not None, "info_nce: no signature block"
+    lines = re.sub(r"<[^>]+>", "", code.group(1)).splitlines()
+    assert len(lines) > 10 and lines[0] == "info_nce(" and lines[-1].startswith(")"), lines
+    assert max(map(len, lines)) <= 80, max(lines, key=len)
+
+
+def test_cross_references_read_on_a_forge_too() -> None:
+    # mkdocs' autorefs form [text][identifier] shows as raw brackets where the Markdown is read directly;
+    # a relative link to the API page's anchor reads everywhere, and the strict build checks the anchor.
+    autoref = re.compile(r"\]\[contrastive_dist[\w.]*\]")
+    found = [f"{page.relative_to(DOCS)}: {match.group(0)}" for page in DOCS.rglob("*.md") if page.parent != API
+             for match in autoref.finditer(page.read_text())]
+    assert not found, found[:5]
+
+
+CODE_COLUMN = 100  # characters of a code line the site's column shows; docs/assets/extra.css wraps longer ones
+
+
+def test_code_lines_of_the_pages_fit_the_column() -> None:
+    fence = re.compile(r"^```(python|bash)\n(.*?)^```", flags=re.DOTALL | re.MULTILINE)
+    wide = [f"{page.relative_to(DOCS)}: {line}" for page in DOCS.rglob("*.md")
+            for _, code in fence.findall(page.read_text()) for line in code.splitlines() if len(line) > CODE_COLUMN]
+    assert not wide, wide[:5]

@@ -18,6 +18,10 @@ def test_readme_is_short_and_its_first_screen_installs_and_runs() -> None:
     text = README.read_text()
     assert 'pip install -e ".[recipes]" && python recipes/clip.py' in text
     assert 'pip install -e ".[dev]" && pytest' in text  # the command CI runs
+    # A CPU-only machine: the CPU build of torch, and what the default one weighs; the venv stays out of git.
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in first_screen
+    assert "5.5 GB" in first_screen and ".venv" in first_screen
+    assert ".venv/" in (ROOT / ".gitignore").read_text().splitlines()
 
 
 def test_readme_snippet_runs_and_ends_in_backward() -> None:

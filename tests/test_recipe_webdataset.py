@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_recipes import RECIPES, TINY_CLIP, run, weights
+from test_recipes import TINY_CLIP, run, weights
 
 wds = pytest.importorskip("webdataset")
 
@@ -43,8 +43,7 @@ def recorded(directory: Path, rank: int) -> list[tuple[int, int, list[int]]]:
 def test_two_processes_on_uneven_shards_train_to_the_weights_of_one_fed_the_same_global_batches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.syspath_prepend(str(RECIPES))
-    from shared import ShapesDataset
+    from contrastive_dist.shapes import ShapesDataset
 
     train = ShapesDataset("train", size=SHARD * SHARDS, image_size=32, seed=5)
     write(tmp_path / "shards", [list(range(start, start + SHARD)) for start in range(0, len(train), SHARD)], train)
@@ -123,8 +122,7 @@ def test_resume_mid_epoch_on_three_processes_sees_every_sample_once(tmp_path: Pa
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     # Shards of 1, 9, 5 and 7 pairs. Two processes × 2 DataLoader workers stop after 2 steps (Lightning saves
     # rank 0's checkpoint); three processes without workers resume mid-epoch and finish it.
-    monkeypatch.syspath_prepend(str(RECIPES))
-    from shared import ShapesDataset
+    from contrastive_dist.shapes import ShapesDataset
 
     train = ShapesDataset("train", size=22, image_size=32, seed=5)
     write(tmp_path / "shards", [[0], list(range(1, 10)), list(range(10, 15)), list(range(15, 22))], train)

@@ -48,35 +48,46 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
 
 
-def test_clip_end_to_end_and_resumed_curves_cover_the_whole_run(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.timeout(480)  # three runs and a fourth of 1 step on 1 process
+def test_clip_end_to_end_resumed_by_folder_and_a_new_run_keeps_the_old_one(tmp_path: Path) -> None:
     usage = run("clip.py", "--help", cwd=tmp_path).stdout
     assert "--num-nodes" in usage and "(default: filepath)" in usage and "(default: title)" in usage
-    out = tmp_path / "out"
-    common = [*TINY_CLIP, "--train-size", "60", "--val-size", "24", "--batch-size", "8", "--val-every", "3",
-              "--output-dir", str(out)]
+    out = tmp_path / "runs/clip/version_0"  # the default folder of a first run
+    common = [*TINY_CLIP, "--train-size", "60", "--val-size", "24", "--batch-size", "8", "--val-every", "3"]
     result = run("clip.py", *common, "--max-steps", "4", cwd=tmp_path)
     recalls = [float(row["val/image_to_text_r5"]) for row in metrics(out) if row.get("val/image_to_text_r5")]
     assert len(recalls) == 2 and all(0 <= value <= 1 for value in recalls)  # at step 3 and after the last, 4
     for name in ("curves.png", "retrievals.png", "checkpoints/last.ckpt", "checkpoints/best.ckpt"):
         assert (out / name).stat().st_size > 0, name
     assert list(out.glob("tensorboard/version_*/events.*"))
-    assert "4 steps ==" in check_summary(result)
+    summary = check_summary(result)
+    assert "4 steps ==" in summary and "recall by caption" in summary and str(Path("runs/clip/version_0")) in summary
     assert "weights_only" not in result.stdout + result.stderr
     assert weights(out / "checkpoints/last.ckpt")["logit_scale"].ndim == 0
 
-    result = run("clip.py", *common, "--max-steps", "7", "--resume", str(out / "checkpoints/last.ckpt"), cwd=tmp_path)
+    result = run("clip.py", *common, "--max-steps", "7", "--resume", "runs/clip/version_0", cwd=tmp_path)
     assert "steps 5-7 (resumed; the run has 7 steps)" in check_summary(result)
-    monkeypatch.syspath_prepend(str(RECIPES))
-    from shared import read_metrics
+    from contrastive_dist.lightning.report import read_metrics
 
     first, resumed = metrics(out, 0), metrics(out, 1)
     assert max(int(row["step"]) for row in first) < min(int(row["step"]) for row in resumed)
     whole = read_metrics(out)  # what curves.png plots: both invocations
     assert {row["step"] for row in whole} == {float(row["step"]) for row in first + resumed}
     assert [row["step"] + 1 for row in whole if "val/image_to_text_r1" in row] == [3, 4, 6, 7]
+    assert {row["train/samples"] for row in whole if "train/samples" in row} == {16.0, 12.0}  # 60 = 3 × 16 + 12
+
+    # A second new run (a mistaken one) goes to a folder of its own: the first run's files stay as they were.
+    kept = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    result = run("clip.py", *common, "--max-steps", "1", "--devices", "1", "--batch-size", "3", cwd=tmp_path)
+    assert "runs/clip/version_1" in check_summary(result).replace("\\", "/")
+    assert "gives each pair 2 negatives, fewer than 16" in result.stderr and "--batch-size" in result.stderr
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == kept
+    assert (tmp_path / "runs/clip/version_1/checkpoints/last.ckpt").is_file()
+    # An --output-dir that holds a run is refused: tests/test_lightning_runs.py (the recipes turn the
+    # ValueError into one "error:" line, as for bad data: test_clip_bad_csv_ends_in_one_line).
 
 
-def test_clip_on_csv_with_tiny_held_out_splits_and_short_runs(tmp_path: Path) -> None:
+def test_clip_on_csv_with_tiny_held_out_splits_short_runs_and_an_id_column(tmp_path: Path) -> None:
     from PIL import Image
 
     colours = ["red", "green", "blue", "yellow", "white", "black", "orange", "purple", "cyan", "gray"]
@@ -85,14 +96,24 @@ def test_clip_on_csv_with_tiny_held_out_splits_and_short_runs(tmp_path: Path) ->
     table = tmp_path / "pairs.csv"
     table.write_text("filepath,title\n" + "".join(f"{i}.png,a plain {colour} picture\n"
                                                    for i, colour in enumerate(colours)))
-    for val_size in ("2", "4"):
+    # The same pairs with an id column: ids 0-4, each shared by two pairs (a label, say).
+    labelled = tmp_path / "labelled.csv"
+    labelled.write_text("filepath,title,id\n" + "".join(f"{i}.png,a plain {colour} picture,{i // 2}\n"
+                                                        for i, colour in enumerate(colours)))
+    for val_size, data in (("2", table), ("4", labelled)):
         # 2 steps, below --val-every (50): the run still ends with a validation and writes best.ckpt.
         out = tmp_path / f"val{val_size}"
-        result = run("clip.py", *TINY_CLIP, "--data", f"csv:{table}", "--val-size", val_size, "--batch-size", "2",
+        result = run("clip.py", *TINY_CLIP, "--data", f"csv:{data}", "--val-size", val_size, "--batch-size", "2",
                      "--max-steps", "2", "--output-dir", str(out), cwd=tmp_path)
         summary = check_summary(result)
         assert "image_to_text_r1" in summary and "image_to_text_r5" not in summary  # top-k only for k <= split
         assert (out / "checkpoints/best.ckpt").exists() and (out / "retrievals.png").stat().st_size > 0
+        assert "gives each pair 3 negatives" in result.stderr  # 2 per process × 2 processes
+        # With the id column, ids= are its values (--caption-ids mask by default) and recall counts by them:
+        # 4 held-out pairs of ids 3, 3, 4, 4 have chance R@1 1 - C(3, 1) / C(4, 1) = 0.5.
+        counted = "the CSV's id column" if data == labelled else "caption"
+        assert f"recall by {counted}" in summary, summary
+        assert data != labelled or "(chance 0.500," in summary  # by caption: 0.250
 
 
 def test_clip_bad_csv_ends_in_one_line(tmp_path: Path) -> None:
@@ -209,8 +230,7 @@ def test_module_docstring_gives_the_launch_commands(recipe: str) -> None:
 
 
 def test_shapes_background_options(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(RECIPES))
-    from shared import ShapesDataset
+    from contrastive_dist.shapes import ShapesDataset
 
     default = ShapesDataset("train", size=32, seed=3)
     explicit = ShapesDataset("train", size=32, seed=3, background_noise=0.04, tint_spread=0.2)
@@ -312,3 +332,30 @@ def test_simclr_queue_is_in_the_checkpoint_resumes_exactly_and_matches_ring_mode
     # Ring mode with the queue's shared negatives: the same run, to the same weights and queue.
     run("simclr.py", *common, "--max-steps", "5", "--output-dir", "ring", "--communication", "ring", cwd=tmp_path)
     floating_weights_close(one_go, weights(tmp_path / "ring/checkpoints/last.ckpt"), 1e-10)
+
+
+def test_a_csv_id_column_gives_the_loss_its_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from PIL import Image
+
+    for index in range(6):
+        Image.new("RGB", (8, 8), (index * 40, 0, 0)).save(tmp_path / f"{index}.png")
+    table = tmp_path / "labelled.tsv"
+    table.write_text("filepath\ttitle\tgroup\n" + "".join(f"{i}.png\ta picture\t{i // 3}\n" for i in range(6)))
+    monkeypatch.syspath_prepend(str(RECIPES))
+    import clip
+
+    args = clip.parse_args([*TINY_CLIP, "--data", f"csv:{table}", "--csv-id-column", "group", "--val-size", "2"])
+    assert args.csv_ids and args.caption_ids == "mask"  # the column's ids, masked by default
+    assert clip.parse_args([*TINY_CLIP, "--data", f"csv:{table}"]).caption_ids == "none"  # no "id" column
+    train, val = clip.csv_data(str(table), args)
+    model = clip.CLIP(args, train, val)
+    batch = model.collate([train[i] for i in range(len(train))])
+    assert batch[2].tolist() == [0, 0, 0, 1] and batch[3].tolist() == [0, 1, 2, 3]  # ids=, then the row indices
+    captured = {}
+    model.loss.forward = lambda *tensors, **options: captured.update(options) or tensors[0].sum()  # type: ignore
+    monkeypatch.setattr(clip.CLIP, "trainer", property(lambda self: None))  # one process, no Trainer
+    monkeypatch.setattr(clip, "step_sizes", lambda trainer, batch_idx: [4])
+    monkeypatch.setattr(model, "log", lambda *a, **k: None)
+    monkeypatch.setattr(model, "log_dict", lambda *a, **k: None)
+    model.training_step(batch, 0)
+    assert captured["ids"].tolist() == [0, 0, 0, 1]

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_recipes import RECIPES, TINY_CLIP, check_summary, floating_weights_close, metrics, run, weights
+from test_recipes import TINY_CLIP, check_summary, floating_weights_close, metrics, run, weights
 
 from contrastive_dist import retrieval_accuracy
-
-sys.path.insert(0, str(RECIPES))  # the recipe and its helper, as `python recipes/clip.py` imports them
-from clip import caption_id, recall_by_caption, recall_by_chance  # noqa: E402
-from shared import COLOURS, KINDS, SHAPES, ShapesDataset, kind_caption  # noqa: E402
+from contrastive_dist.lightning.image_text import caption_id
+from contrastive_dist.lightning.retrieval import recall_by_chance
+from contrastive_dist.lightning.retrieval import recall_by_id as recall_by_caption
+from contrastive_dist.shapes import COLOURS, KINDS, SHAPES, ShapesDataset, kind_caption
 
 MODES = ("none", "mask", "positive")
 # Global batch 16 on 2 processes, SGD at a constant rate: the runs differ only by --caption-ids.
@@ -53,7 +53,7 @@ def test_caption_ids_on_repeated_captions_change_the_loss_and_report_recall_by_c
     held_out = ShapesDataset("val", size=16, image_size=16, duplicate_captions=1)  # as the runs draw it
     captions = torch.tensor([caption_id(text) for text in held_out.captions])
     assert len(set(captions.tolist())) < 16  # the held-out split repeats captions too
-    chance = recall_by_chance(captions, (1, 5))
+    chance = {f"val/{key}": value for key, value in recall_by_chance(captions, (1, 5)).items()}
     for mode, result in results.items():
         summary = check_summary(result)
         for key, value in chance.items():  # the summary's chance is that of the repeated captions
@@ -106,9 +106,9 @@ def test_recall_by_caption_is_recall_for_distinct_captions_and_counts_any_copy_o
         by_query = [sum(any(captions[j] == captions[i] for j in draw) for draw in draws) / len(draws)
                     for i in range(12)]
         for direction in ("image_to_text", "text_to_image"):
-            assert chance[f"val/{direction}_r{k}"] == pytest.approx(sum(by_query) / 12, abs=1e-12)
+            assert chance[f"{direction}_r{k}"] == pytest.approx(sum(by_query) / 12, abs=1e-12)
     assert recall_by_chance(torch.arange(8), (1, 5)) == pytest.approx(
-        {f"val/{direction}_r{k}": k / 8 for direction in ("image_to_text", "text_to_image") for k in (1, 5)})
+        {f"{direction}_r{k}": k / 8 for direction in ("image_to_text", "text_to_image") for k in (1, 5)})
 
 
 def test_caption_ids_ignore_case_and_punctuation_and_agree_between_processes() -> None:
@@ -117,7 +117,7 @@ def test_caption_ids_ignore_case_and_punctuation_and_agree_between_processes() -
     assert ids[0] == ids[1] == ids[2] and len(set(ids)) == 3
     assert all(0 <= value < 2**63 for value in ids)  # int64, as the loss's ids= takes them
     # Every rank computes its pairs' ids itself: they must not depend on the process (str hash() would).
-    code = f"import sys; sys.path.insert(0, {str(RECIPES)!r}); from clip import caption_id; " \
+    code = f"import sys; from contrastive_dist.lightning.image_text import caption_id; " \
            f"print([caption_id(text) for text in {texts!r}])"
     for seed in ("1", "2"):
         output = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
