@@ -107,7 +107,7 @@ def _read_chain(file: IO[bytes], start: int, size: int, members: list[tuple[int,
             if info.offset_data + info.size > size:
                 return info.offset, f"member {info.name!r} of {info.size} bytes runs past the end of the file ({size})"
             members.append((info.offset, end))
-            archive.members.clear()  # one member at a time: a shard may hold millions
+            archive.members.clear()  # type: ignore[attr-defined]  # one member at a time: a shard may hold millions
     except Exception as error:  # noqa: BLE001 - as above, for a later header
         return archive.offset, _error(error)
     return archive.offset, None
@@ -176,7 +176,7 @@ def write_members(path: str, members: list[tuple[int, int]], target: IO[bytes]) 
             file.seek(start)
             left = end - start
             while left:
-                chunk = file.read(min(_CHUNK, left))
+                chunk = file.read(min(_CHUNK, left)) or bytes(left)  # a cut in the last padding: zeros, as it was
                 target.write(chunk)
                 left -= len(chunk)
     target.write(bytes(2 * BLOCK))
