@@ -21,10 +21,15 @@ TARGETS = ("header", "payload", "padding", "end", "anywhere")
 class Member(NamedTuple):
     """One file of a shard as written: where its first header starts, where its contents start, how long they are."""
 
-    key: str
+    name: str
     start: int
     data: int
     size: int
+
+    @property
+    def key(self) -> str:
+        """The sample it belongs to (webdataset's: the name up to its first dot)."""
+        return self.name.split(".")[0]
 
 
 def text_of(sample_id: int) -> str:
@@ -62,16 +67,20 @@ def members_of(data: bytes) -> list[Member]:
         name = block[:100].rstrip(b"\0").decode()
         first = offset if first is None else first
         if block[156:157] not in (b"x", b"g", b"L", b"K"):
-            members.append(Member(name.split(".")[0], first, offset + BLOCK, size))
+            members.append(Member(name, first, offset + BLOCK, size))
             first = None
         offset += BLOCK + -(-size // BLOCK) * BLOCK
     return members
 
 
+def intact(original: bytes, damaged: bytes, member: Member) -> bool:
+    """Whether every byte of ``member`` (its headers and contents) is unchanged in ``damaged``."""
+    return damaged[member.start : member.data + member.size] == original[member.start : member.data + member.size]
+
+
 def readable_keys(original: bytes, damaged: bytes, members: list[Member]) -> set[str]:
     """The keys of the samples all of whose members are intact in ``damaged``."""
-    broken = {member.key for member in members if damaged[member.start : member.data + member.size]
-              != original[member.start : member.data + member.size]}
+    broken = {member.key for member in members if not intact(original, damaged, member)}
     return {member.key for member in members} - broken
 
 

@@ -17,16 +17,22 @@
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import random
 import re
 import shutil
+import tarfile
 import warnings
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+from spawned import launch_ranks
 from tar_reference import damage, readable_keys, text_of, write_shard
 from torch.utils.data import DataLoader
 
@@ -189,3 +195,150 @@ def test_fuzzed_corruptions_never_lose_a_readable_sample_silently(tmp_path):
         shutil.rmtree(directory)
     print(f"\nshard fuzzer: {dict(totals)}")
     assert totals["cases"] == CASES and totals["corruptions"] >= CASES
+
+
+def eight_samples(path: Path, region: str, fill: str) -> tarfile.TarInfo:
+    """The issue's shard: 8 samples by webdataset's writer, the headers of the fifth member overwritten; that member.
+
+    ``region``: its first header block (webdataset's writer puts a pax header first), or all its headers.
+    """
+    with wds.TarWriter(str(path)) as writer:
+        for sample_id in range(8):
+            writer.write({"__key__": f"s{sample_id:03d}", "cls": sample_id})
+    with tarfile.open(path) as archive:
+        fifth = archive.getmembers()[4]
+    length = 512 if region == "first block" else fifth.offset_data - fifth.offset
+    data = bytearray(path.read_bytes())
+    data[fifth.offset : fifth.offset + length] = bytes(length) if fill == "zeros" else b"\x07" * length
+    path.write_bytes(bytes(data))
+    return fifth
+
+
+def issue_stream(shards, on_error, state=None):
+    dataset = DistributedShardList(shards, shuffle=False).pipeline(
+        wds.tarfile_to_samples(), wds.decode(), wds.to_tuple("cls"), on_error=on_error)
+    batches = DistributedStreamingBatches(DataLoader(dataset, batch_size=2, collate_fn=EmptySafeCollate([(0,)])))
+    if state is not None:
+        batches.load_state_dict(state)
+    return batches
+
+
+@pytest.mark.parametrize("fill", ["junk", "zeros"])
+@pytest.mark.parametrize("region", ["first block", "all headers"])
+def test_a_damaged_header_mid_shard_raises_or_is_counted_and_the_rest_read_on(tmp_path, region, fill):
+    path = tmp_path / "part.tar"
+    fifth = eight_samples(path, region, fill)
+    with pytest.raises(RuntimeError, match=rf"cannot read shard '{re.escape(str(path))}' \(after 4 of its samples\) "
+                                           rf"on rank 0: the tar is damaged at byte {fifth.offset}: "):
+        list(issue_stream([str(path)], "raise"))
+    batches = issue_stream([str(path)], "skip")
+    with pytest.warns(RuntimeWarning, match=rf"skipped the damaged part of shard .* at byte {fifth.offset}") as caught:
+        ids = [value for (classes,) in batches for value in classes.tolist()]
+    # Only the pax header lost: the member's own header is found by the scan, and the sample is read.
+    assert ids == ([0, 1, 2, 3, 4, 5, 6, 7] if region == "first block" else [0, 1, 2, 3, 5, 6, 7])
+    assert batches.skipped() == 1 and len([w for w in caught if "on_error='skip'" in str(w.message)]) == 1
+
+
+@pytest.mark.parametrize("stop_after", [1, 2, 3])
+def test_a_resume_across_the_damage_reads_every_sample_once_and_counts_it_once(tmp_path, stop_after):
+    path = tmp_path / "part.tar"
+    eight_samples(path, "all headers", "junk")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        first = issue_stream([str(path)], "skip")
+        ids = []
+        for step, (classes,) in enumerate(first, start=1):
+            ids += classes.tolist()
+            if step == stop_after:
+                break
+        rest = issue_stream([str(path)], "skip", first.state_dict())
+        ids += [value for (classes,) in rest for value in classes.tolist()]
+    assert ids == [0, 1, 2, 3, 5, 6, 7] and rest.skipped() == 1
+    assert 1 <= len([w for w in caught if "on_error='skip'" in str(w.message)]) <= 2  # read again after the resume
+
+
+def test_a_streamed_shard_read_short_of_its_stream_raises_or_is_counted(tmp_path):
+    path = tmp_path / "part.tar"
+    eight_samples(path, "all headers", "zeros")
+    url = f"pipe:cat {path}"  # .tar at the end: a tar streamed through a pipe, checked to its end
+    with pytest.raises(RuntimeError, match=r"cannot read shard 'pipe:cat .*' \(after 4 of its samples\) on rank 0: "
+                                           r"the tar is damaged \d+ bytes after where it stopped"):
+        list(issue_stream([url], "raise"))
+    batches = issue_stream([url], "skip")
+    with pytest.warns(RuntimeWarning, match="skipped the damaged part of shard 'pipe:cat"):
+        ids = [value for (classes,) in batches for value in classes.tolist()]
+    assert ids == [0, 1, 2, 3] and batches.skipped() == 1  # a stream is not read again: its rest is lost, counted
+
+
+WORLD = 3
+GLOO_CASES = [(on_error, workers, resume) for workers in (0, 2) for on_error, resume in
+              (("raise", False), ("skip", False), ("skip", True))]
+
+
+def gloo_segment(shards, on_error, workers, state=None, stop_after=None):
+    """This rank's part of one stream over ``shards``: its ids, the skips, the error, the state."""
+    dataset = DistributedShardList(shards, shuffle=True, seed=5).pipeline(wds.tarfile_to_samples(), verify,
+                                                                          on_error=on_error)
+    loader = DataLoader(dataset, batch_size=2, num_workers=workers, collate_fn=EmptySafeCollate([EXAMPLE]),
+                        multiprocessing_context="forkserver" if workers else None)
+    batches = DistributedStreamingBatches(loader)
+    if state is not None:
+        batches.load_state_dict(state)
+    ids, error = [], None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        try:
+            for step, (_, batch_ids) in enumerate(batches, start=1):
+                ids += batch_ids.tolist()
+                if step == stop_after:
+                    break
+        except RuntimeError as raised:
+            error = str(raised)
+    return {"ids": ids, "skipped": batches.skipped(), "error": error, "state": batches.state_dict()}
+
+
+def gloo_rank(rank, store_path, out_dir, cases):
+    torch.set_num_threads(1)
+    torch_mp.set_forkserver_preload(["torch", "webdataset", "contrastive_dist", __name__])
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=60))
+    results = []
+    for shards, (on_error, workers, resume) in cases:
+        if not resume:
+            results.append([gloo_segment(shards, on_error, workers)])
+            continue
+        first = gloo_segment(shards, on_error, workers, stop_after=1)
+        states = [None] * WORLD
+        dist.all_gather_object(states, first["state"])
+        results.append([first, gloo_segment(shards, on_error, 2 - workers, state=states[0])])  # other workers
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(400)
+def test_fuzzed_corruptions_on_gloo_ranks_with_workers_and_resumes(tmp_path):
+    cases, references = [], []
+    for index, grid in enumerate(GLOO_CASES):
+        case = fresh_shards(tmp_path / f"case-{index}", random.Random(10_000 + index))
+        cases.append((case["shards"], grid))
+        references.append(case)
+    ranks = launch_ranks(gloo_rank, (str(tmp_path / "store"), str(tmp_path), cases), WORLD, tmp_path, timeout=360)
+    for index, ((on_error, _, resume), case) in enumerate(zip(GLOO_CASES, references)):
+        segments = [[rank[index][part] for rank in ranks] for part in range(1 + resume)]
+        for parts in segments:
+            assert len({part["error"] for part in parts}) == 1, (index, parts)  # every rank the same error, or none
+            assert len({part["skipped"] for part in parts}) == 1, (index, parts)  # and the same skips
+        ids = [sample_id for parts in segments for part in parts for sample_id in part["ids"]]
+        error = segments[-1][0]["error"]
+        if on_error == "raise" and error is not None:
+            named = re.search(r"cannot read shard '([^']+)'|of shard '([^']+)'", error)
+            assert named and (named.group(1) or named.group(2)) in case["changed"], error
+            assert len(ids) == len(set(ids)) and set(ids) <= case["every"]
+        elif on_error == "raise":
+            assert sorted(ids) == sorted(case["every"]), (index, ids)
+        else:
+            assert error is None, error
+            skipped = segments[-1][0]["skipped"]
+            assert len(ids) == len(set(ids)) and case["readable"] <= set(ids) <= case["every"], (index, ids)
+            assert skipped >= 1 or set(ids) == case["every"], (index, skipped)

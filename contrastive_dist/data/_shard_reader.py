@@ -166,7 +166,7 @@ class SlotReader:
         """The first stage raised on the shard of ``item``: raise, or skip its rest or its damaged part (and go on)."""
         self._close_stream()
         if isinstance(error, _Damaged):
-            raise RuntimeError(f"cannot read {error}") from None
+            raise RuntimeError(f"cannot read {error}") from error
         path = local_tar(self.shards[self.plan[item][0]]) if self.source["url"] not in self.copies else None
         layout = inspect_tar(path) if path is not None else None
         damages = [damage.describe() for damage in layout.damages] if layout is not None else []

@@ -3,7 +3,8 @@
 Python's ``tarfile`` (so webdataset) reads a tar as complete when a header in the middle is
 invalid, zeroed or cut: it stops there without a word. :func:`inspect_tar` reads a local tar's
 headers with ``tarfile`` itself (never its contents), notes where it stopped, and asks for what a
-complete tar holds there: zero blocks, to the end of the file.
+complete tar holds there: two or more zero blocks, to the end of the file (a whole number of
+blocks).
 Wherever the chain breaks before that, the shard is *damaged* there; the walk goes on at the next
 512-byte block that is a valid header (tar members start on 512-byte boundaries), so that the
 members after the damage are found too. :func:`write_members` writes those intact members as one
@@ -120,7 +121,11 @@ def _why_it_stopped(file: IO[bytes], offset: int, size: int) -> str | None:
     file.seek(offset)
     block = file.read(BLOCK)
     if block == _ZEROS:
-        return None if _zeros_from(file, offset, size) else "a zero block (the end of a tar) with data after it"
+        if not _zeros_from(file, offset, size):
+            return "a zero block (the end of a tar) with data after it"
+        if size % BLOCK or size - offset < 2 * BLOCK:  # a tar is whole blocks, and ends with two zero blocks
+            return f"the file ends inside tar's end-of-archive blocks ({size} bytes): cut short"
+        return None
     if len(block) < BLOCK:
         return f"the file ends inside a tar header ({size} bytes)"
     try:
@@ -204,6 +209,6 @@ def check_stream_rest(stream: Any) -> str | None:
         return None
     if first is None:
         return None
-    at = f"at byte {where + first} of the stream" if where is not None else f"{first} bytes past where it stopped"
-    return (f"the reader stopped with {left} bytes of the stream unread, not tar's zero blocks (data {at}): "
-            "a tar header there is invalid or zeroed, so tarfile ended the shard early")
+    at = f"at byte {where + first} of the stream" if where is not None else f"{first} bytes after where it stopped"
+    return (f"{at}: the reader stopped with {left} bytes of the stream unread that are not tar's zero blocks (a "
+            "header there is invalid or zeroed, so tarfile ended the shard early)")
