@@ -29,7 +29,14 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 from contrastive_dist.data._shard_progress import FINISHED
-from contrastive_dist.data._tar_check import TarLayout, check_stream_rest, inspect_tar, local_tar, write_members
+from contrastive_dist.data._tar_check import (
+    TarLayout,
+    check_stream_rest,
+    inspect_tar,
+    local_tar,
+    write_members,
+)
+from contrastive_dist.data._tar_quick import reads_to_end
 
 __all__ = ["ON_ERROR", "SlotReader", "check_on_error"]
 
@@ -134,6 +141,8 @@ class SlotReader:
             _remove(self.source["url"])  # a copy holds intact members only
             return None
         if path is not None:
+            if reads_to_end(path):
+                return None
             layout = inspect_tar(path)
             return self._damaged(item, [damage.describe() for damage in layout.damages], path,
                                  _after_damage(layout)) if layout.damages else None

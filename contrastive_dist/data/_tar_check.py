@@ -20,7 +20,8 @@ import os
 import tarfile
 from typing import IO, Any, NamedTuple
 
-__all__ = ["BLOCK", "Damage", "TarLayout", "check_stream_rest", "inspect_tar", "local_tar", "write_members"]
+__all__ = ["BLOCK", "Damage", "TarLayout", "check_stream_rest", "inspect_tar", "local_tar", "write_members",
+           "zeros_from"]
 
 BLOCK = 512
 _CHUNK = 1 << 16
@@ -121,7 +122,7 @@ def _why_it_stopped(file: IO[bytes], offset: int, size: int) -> str | None:
     file.seek(offset)
     block = file.read(BLOCK)
     if block == _ZEROS:
-        if not _zeros_from(file, offset, size):
+        if not zeros_from(file, offset, size):
             return "a zero block (the end of a tar) with data after it"
         if size % BLOCK or size - offset < 2 * BLOCK:  # a tar is whole blocks, and ends with two zero blocks
             return f"the file ends inside tar's end-of-archive blocks ({size} bytes): cut short"
@@ -139,7 +140,8 @@ def _error(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _zeros_from(file: IO[bytes], offset: int, size: int) -> bool:
+def zeros_from(file: IO[bytes], offset: int, size: int) -> bool:
+    """Whether ``file`` holds only zeros from ``offset`` to ``size``."""
     file.seek(offset)
     while offset < size:
         chunk = file.read(min(_CHUNK, size - offset))
