@@ -248,9 +248,9 @@ def _first_batch_after_loading(rank, world_size, states, epochs):
 def test_ranks_that_load_different_states_raise_the_same_error_before_the_first_step(pool):
     saved = DistributedBatchSampler(RESUME_LENGTH, 4, num_replicas=3, rank=0, seed=RESUME_SEED)
     at_one, at_two = saved.state_dict(step=1), saved.state_dict(step=2)
-    cases = [((at_two, at_one, at_two), (0, 0, 0), "rank 1: consumed=12, epoch=0, step=1"),  # one rank a step behind
-             ((at_one, at_one, None), (0, 0, 0), "rank 2: consumed=0, epoch=0, step=0"),  # one rank loaded none
-             ((None, None, None), (0, 1, 0), "rank 1: consumed=0, epoch=1, step=0")]  # one rank in another epoch
+    cases = [((at_two, at_one, at_two), (0, 0, 0), "rank 1: consumed=12, step=1"),  # one rank a step behind
+             ((at_one, at_one, None), (0, 0, 0), "rank 2: consumed=0, step=0"),  # one rank loaded none
+             ((None, None, None), (0, 1, 0), "rank 1: epoch=1")]  # one rank in another epoch
     for states, epochs, rank_line in cases:
         outcomes = pool(3).run(_first_batch_after_loading, states, epochs, timeout=60)
         assert all(outcome == outcomes[0] for outcome in outcomes), outcomes

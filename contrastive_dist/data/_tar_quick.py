@@ -23,6 +23,13 @@ _ZEROS = bytes(BLOCK)
 
 def reads_to_end(path: str) -> bool:
     """Whether the tar at ``path`` is certainly complete, by a quick walk of its headers; False: ask ``inspect_tar``."""
+    try:
+        return _walk(path)
+    except (OSError, ValueError):  # unreadable, or a field no header of tarfile's holds: ask tarfile
+        return False
+
+
+def _walk(path: str) -> bool:
     size = os.path.getsize(path)
     if size % BLOCK:
         return False
