@@ -230,3 +230,32 @@ def test_a_resume_under_the_wrong_conditions_raises_the_same_error_on_every_rank
         assert all(outcome == outcomes[0] for outcome in outcomes), outcomes
         assert isinstance(outcomes[0], str) and outcomes[0].startswith("ValueError: cannot resume")
         assert re.search(message, outcomes[0]), outcomes[0]
+
+
+def _first_batch_after_loading(rank, world_size, states, epochs):
+    """Load ``states[rank]`` (None: none), set ``epochs[rank]``; the first batch's error, or the batch."""
+    sampler = DistributedBatchSampler(RESUME_LENGTH, 4, seed=RESUME_SEED)
+    sampler.set_epoch(epochs[rank])
+    if states[rank] is not None:
+        sampler.load_state_dict(states[rank])
+    loader = DataLoader(range(RESUME_LENGTH), batch_sampler=sampler)
+    try:
+        return next(iter(loader)).tolist()
+    except ValueError as error:
+        return f"ValueError: {error}"
+
+
+def test_ranks_that_load_different_states_raise_the_same_error_before_the_first_step(pool):
+    saved = DistributedBatchSampler(RESUME_LENGTH, 4, num_replicas=3, rank=0, seed=RESUME_SEED)
+    at_one, at_two = saved.state_dict(step=1), saved.state_dict(step=2)
+    cases = [((at_two, at_one, at_two), (0, 0, 0), "rank 1: consumed=12, step=1"),  # one rank a step behind
+             ((at_one, at_one, None), (0, 0, 0), "rank 2: consumed=0, step=0"),  # one rank loaded none
+             ((None, None, None), (0, 1, 0), "rank 1: epoch=1")]  # one rank in another epoch
+    for states, epochs, rank_line in cases:
+        outcomes = pool(3).run(_first_batch_after_loading, states, epochs, timeout=60)
+        assert all(outcome == outcomes[0] for outcome in outcomes), outcomes
+        assert isinstance(outcomes[0], str) and outcomes[0].startswith(
+            "ValueError: DistributedBatchSampler: every rank must start the epoch at the same step"), outcomes[0]
+        assert rank_line in outcomes[0], outcomes[0]
+    same = pool(3).run(_first_batch_after_loading, (at_one, at_one, at_one), (0, 0, 0), timeout=60)
+    assert all(isinstance(batch, list) and len(batch) == 4 for batch in same), same  # the same state: no error

@@ -6,6 +6,11 @@ number of ranks or another batch size. What it cannot survive is another order: 
 length, seed or ``shuffle``; :func:`decode_position` refuses those, and states that are not ones
 :func:`encode_position` made, with a message that says what differs.
 
+Every rank must start an epoch at the same position of the same order, or their steps no longer
+line up (a rank that loaded another state runs on a step ahead or behind, across the epoch's end,
+until one rank exits): :func:`agree_on_start` checks it in one small exchange as each epoch starts
+(the package's agreement), and every rank raises the same ``ValueError`` naming each rank's start.
+
 Version 1 (before the layout-free state) saved ``step`` and its layout (``batch_size``,
 ``num_replicas``) instead of ``consumed``; it still loads: ``consumed = step × batch_size ×
 num_replicas`` (at most the length).
@@ -17,7 +22,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EpochPosition", "decode_position", "encode_position"]
+from torch.distributed import ProcessGroup
+
+from contrastive_dist.engine._agreement import agree
+
+__all__ = ["EpochPosition", "agree_on_start", "decode_position", "encode_position"]
 
 FORMAT = "contrastive_dist.DistributedBatchSampler"
 VERSION = 2
@@ -93,3 +102,17 @@ def decode_position(state: object, *, seed: int, length: int, shuffle: bool) -> 
     # Every step takes at least one sample, and only a step takes any.
     step = _integer(state, "step", 1 if consumed else 0, consumed)
     return EpochPosition(epoch, step, consumed)
+
+
+def agree_on_start(position: EpochPosition, *, seed: int, length: int, shuffle: bool, batch_size: int,
+                   num_replicas: int, group: ProcessGroup | None) -> None:
+    """Raise the same ``ValueError`` on every rank of ``group`` unless they all start the epoch at ``position``.
+
+    Every rank calls it as its sampler's epoch starts; the order (``seed``, ``length``,
+    ``shuffle``) and the layout (``batch_size``, ``num_replicas``) must match too.
+    """
+    start = {"epoch": position.epoch, "step": position.step, "consumed": position.consumed, "seed": seed,
+             "length": length, "shuffle": shuffle, "batch_size": batch_size, "num_replicas": num_replicas}
+    agree([], problem=None, group=group, rows=0, compare_inputs=False, options=start,
+          operation="DistributedBatchSampler: every rank must start the epoch at the same step of the same order "
+                    "(load the same state_dict on every rank, or none, and set the same epoch)")

@@ -9,8 +9,9 @@ consumed already (read from the tar file, never decoded), and names the shard th
 Errors: an exception out of the first stage makes its shard unreadable; one out of a later stage
 (decoding, say) is blamed on the sample the reader let through last. ``on_error="raise"`` raises a
 ``RuntimeError`` naming the shard (and sample), the worker and the rank, chained to the original;
-``"skip"`` warns once per skip and goes on: a shard from the next one, a sample by building the
-later stages again over the reader, which is still where it was.
+``"skip"`` warns once per skip and goes on: a shard from the next one (a damaged tar from its
+intact files on), a sample by building the later stages again over the reader, which is still
+where it was.
 
 When :class:`~contrastive_dist.DistributedStreamingBatches` wraps the loader it turns
 ``positions`` on: every sample then leaves the pipeline as a :class:`Positioned` (its slot, its

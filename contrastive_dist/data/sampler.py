@@ -37,8 +37,9 @@ Resuming, on the same layout or another: the state says how many samples of the 
 consumed, not by which rank, so it loads into another ``num_replicas`` and/or ``batch_size``: the rest
 of the order is cut into the new global batches. With the same global batch size (2 ranks × 64 →
 4 × 32) they are the uninterrupted run's, so with exact losses the run does not depend on the number
-of ranks. Another length, seed or ``shuffle`` is refused. Workers prefetch, so a loop saves the steps
-it *finished* (``state_dict(step=...)``); ``distributed_loader``'s loader does it itself.
+of ranks. Another length, seed or ``shuffle`` is refused. Ranks that loaded different states (or
+some none) raise the same ``ValueError`` at the first batch, before any step runs. Workers prefetch,
+so a loop saves the steps it *finished* (``state_dict(step=...)``); ``distributed_loader``'s loader does it itself.
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ import torch
 from torch.distributed import ProcessGroup
 from torch.utils.data import Sampler
 
-from contrastive_dist._dist import get_rank, get_world_size, start_offset
+from contrastive_dist._dist import get_rank, get_world_size, is_distributed, start_offset
 from contrastive_dist.data._permutation import Permutation
-from contrastive_dist.data._sampler_state import EpochPosition, decode_position, encode_position
+from contrastive_dist.data._sampler_state import EpochPosition, agree_on_start, decode_position, encode_position
 
 __all__ = ["DistributedBatchSampler"]
 
@@ -90,7 +91,11 @@ class DistributedBatchSampler(Sampler[list[int]]):
         rank: this rank (default: the rank in ``group``, 0 without a process group).
         shuffle: a new random order each epoch; ``False`` keeps the natural order (evaluation).
         seed: seed of the order, any signed 64-bit int; must be the same on every rank.
-        group: process group the defaults are read from.
+        group: process group the defaults are read from. A sampler that is this rank's share of it
+            (the defaults, or the same ``num_replicas`` and ``rank``) checks, at the first batch of
+            each epoch, that every rank starts the epoch at the same step of the same order: else
+            every rank raises the same ``ValueError`` (so every rank must iterate it, as a
+            ``DataLoader`` on every rank does).
 
     Shape:
         - each batch: a list of ``sizes(step)[rank]`` ints, ``0 <= size <= batch_size``.
@@ -155,6 +160,7 @@ class DistributedBatchSampler(Sampler[list[int]]):
             raise TypeError(f"shuffle must be a bool, got {type(shuffle).__name__}")
         self.shuffle = shuffle
         self.seed = _int("seed", seed, _INT64_MIN, _INT64_MAX)
+        self.group = group
         self.epoch = 0
         self._restart()
 
@@ -246,6 +252,11 @@ class DistributedBatchSampler(Sampler[list[int]]):
         if not self._pending:
             self._restart()
         self._pending = False
+        if self._spans_group():  # ranks that start elsewhere would run misaligned steps: the same error on each
+            agree_on_start(EpochPosition(self.epoch, self._start, min(self._position(self._start), self.length)),
+                           seed=self.seed,
+                           length=self.length, shuffle=self.shuffle, batch_size=self.batch_size,
+                           num_replicas=self.num_replicas, group=self.group)
         order = Permutation(self.length, self.seed, self.epoch) if self.shuffle else None
         step = self._start
         self._step = step
@@ -255,6 +266,11 @@ class DistributedBatchSampler(Sampler[list[int]]):
                 step += 1
                 self._step = step
                 yield batch
+
+    def _spans_group(self) -> bool:
+        """Whether this sampler is this rank's share of ``group`` (then its epochs start collectively)."""
+        group = self.group
+        return is_distributed(group) and (self.num_replicas, self.rank) == (get_world_size(group), get_rank(group))
 
     def state_dict(self, step: int | None = None) -> dict[str, Any]:
         """Where the epoch stands once ``step`` of its steps are done (default: the batches handed out).

@@ -158,9 +158,11 @@ class DistributedShardList(IterableDataset):
         ``RuntimeError`` naming the shard, the DataLoader worker and the rank, chained to the original
         (under a ``DistributedStreamingBatches``, every rank then raises the same error); ``"skip"``
         it with one ``RuntimeWarning`` naming it, the rest of a shard at once, and go on
-        (``DistributedStreamingBatches.skipped()`` counts the skips over every rank). A local ``.tar``
-        shard is also checked to end with tar's zero blocks, as ``tarfile`` reads a tar cut inside a
-        header as complete.
+        (``DistributedStreamingBatches.skipped()`` counts the skips over every rank). As ``tarfile``
+        ends a tar silently at an invalid, zeroed or cut header, every ``.tar`` shard is checked to
+        have been read to its end (a local file by its headers, a stream by what is left of it): a
+        shortfall is damage at that byte, raised, or skipped with the shard's intact files read on
+        from a temporary copy of them (local files).
         """
         return ShardPipeline(self, stages, on_error=on_error)
 

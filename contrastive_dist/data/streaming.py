@@ -248,7 +248,8 @@ class DistributedStreamingBatches:
     def skipped(self) -> int:
         """Unreadable shards and samples skipped (``on_error="skip"``) in the steps consumed this epoch, on every rank.
 
-        The same number on every rank; a resumed epoch counts on from its state. Each skip was
+        A shard that cannot be read counts one, and so does each damaged place of a tar shard whose
+        intact rest was read on. The same number on every rank; a resumed epoch counts on from its state. Each skip was
         warned about where it happened (a ``RuntimeWarning`` naming the shard, in that rank's log).
         """
         return self._skipped
