@@ -67,8 +67,7 @@ def _paths(out: str, csv_path: str | None, world_size: int, kind: str) -> tuple[
 
 
 def _finish(rows: Sequence[Row], summary_path: str | None) -> None:
-    from gpu_check_one import ANCHOR_BATCH
-    from gpu_check_summary import summary
+    from gpu_check_summary import ANCHOR_BATCH, summary
 
     lines = summary(rows, anchor_batch=ANCHOR_BATCH)
     if summary_path:
@@ -164,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="auto: CUDA if present, otherwise one line and exit 0")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (what the test suite runs on CPU)")
     parser.add_argument("--batches", type=int, nargs="+", help="one-GPU global batches (default 16k 32k 64k 128k)")
+    parser.add_argument("--precisions", nargs="+", choices=("bf16", "fp32", "tf32"),
+                        help="one-GPU precisions, in this order (default bf16 fp32 tf32)")
     parser.add_argument("--time-budget", type=float, default=480.0, help="seconds; later measurements are skipped")
     parser.add_argument("--point-seconds", type=float, default=3.0, help="timed seconds per measurement, about")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may wait (torchrun)")
@@ -185,6 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = TINY if args.tiny else Sizes()
     if args.batches:
         sizes = replace(sizes, batches=tuple(args.batches))
+    if args.precisions:
+        sizes = replace(sizes, precisions=tuple(args.precisions))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return _run_under_torchrun(cuda, sizes, args)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

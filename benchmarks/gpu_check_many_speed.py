@@ -146,7 +146,6 @@ def memory_by_ranks(rank: int, world_size: int, device: torch.device, sizes: Siz
     # Every rank creates every group; a rank outside one gets a placeholder it never passes on.
     groups = {count: cast(dist.ProcessGroup, dist.new_group(list(range(count)))) for count in counts}
     chunk = sizes.chunk_sizes[0]
-    base_count = 2 if world_size >= 2 else 1
     for mode in COMMUNICATIONS:
         measured: dict[int, Row] = {}
         for count in counts:
@@ -155,12 +154,22 @@ def memory_by_ranks(rank: int, world_size: int, device: torch.device, sizes: Siz
                 fn = ours("info_nce", chunk_size=chunk, communication=mode, group=groups[count])
                 measured[count] = _timed(fn, sizes.memory_rows, device, sizes, point_seconds, seed=rank,
                                          group=groups[count])
-        base = measured[base_count].get("peak_mib")
+        ratios = over_two_ranks({count: fields.get("peak_mib") for count, fields in measured.items()})
         for count, fields in measured.items():
-            ratio = fields["peak_mib"] / base if base and "peak_mib" in fields else None
             yield {"check": f"info_nce: ours {mode}, per-rank peak", "dtype": "bfloat16",
                    "compute": PRECISIONS["bf16"].ours(device), "ranks": count,
-                   "batch": sizes.memory_rows * count, "chunk_size": chunk, "ratio": ratio, **fields}
+                   "batch": sizes.memory_rows * count, "chunk_size": chunk, "ratio": ratios[count], **fields}
+
+
+def over_two_ranks(peaks: dict[int, float | None]) -> dict[int, float | None]:
+    """Each rank count's peak over the 2-rank peak (the 1-rank peak where there is no 2); ``None`` where unknown.
+
+    Example: ``{1: 10.0, 2: 40.0, 4: 40.0}`` gives ``{1: 0.25, 2: 1.0, 4: 1.0}``: flat from 2 ranks on.
+    """
+    base = peaks.get(2 if 2 in peaks else 1)
+    known = base is not None and base > 0  # NaN (no memory counters, CPU) is not > 0
+    return {count: peak / base if known and peak is not None and base else None
+            for count, peak in peaks.items()}
 
 
 # Cheng et al. 2024, "Breaking the Memory Barrier: Near Infinite Batch Size Scaling for Contrastive

@@ -26,12 +26,12 @@ from gpu_check_losses import (
     train_step,
 )
 from gpu_check_report import Deadline, Row, Sizes, failure, measure, out_of_memory, release
+from gpu_check_summary import ANCHOR_BATCH
 
 OPEN_CLIP_MISSING = "skipped: open_clip is not installed (pip install open_clip_torch, or its wheels: gpu_day.sh)"
 SIGLIP_KERNEL_MISSING = "skipped: siglip-kernel is not installed (pip install siglip-kernel, or its wheel: gpu_day.sh)"
 SIGLIP_KERNEL_CUDA = "skipped: siglip-kernel runs on CUDA only (Triton)"
 ANCHOR = "siglip-kernel"  # the method every SigLIP row is compared with at ANCHOR_BATCH, measured on the same GPU
-ANCHOR_BATCH = 65536
 
 
 class Method(NamedTuple):

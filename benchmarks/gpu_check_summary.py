@@ -1,15 +1,22 @@
 """The last lines ``gpu_check.py`` prints: a summary short enough for the tail of output a remote run returns.
 
+``python benchmarks/gpu_check_summary.py gpu_check_1gpu.csv`` prints it again from a CSV (what
+``gpu_day.sh`` does last, so the summary comes even when the check was stopped).
+
 The machine, the worst error per (section, method), the anchor's ratios, the speed table at the
 anchor's batch, the largest batch each method reached, and every failure: about 4k characters.
 """
 
 from __future__ import annotations
 
+import csv
+import sys
 from collections.abc import Sequence
+from typing import Any
 
-from gpu_check_report import Row
+Row = dict[str, Any]  # as gpu_check_report's; this file runs alone too (no torch needed)
 
+ANCHOR_BATCH = 65536  # the batch of siglip-kernel's published figures, where every SigLIP method meets it
 LIMIT = 6000  # characters: well inside a 12,000-character tail, with room for the lines around it
 
 
@@ -66,3 +73,24 @@ def _fit(lines: list[str]) -> list[str]:
         kept.append(line)
         used += len(line) + 1
     return kept
+
+
+_NUMBERS = {"ranks": int, "batch": int, "chunk_size": int, "repeats": int, "time_ms": float, "peak_mib": float,
+            "ratio": float, "max_error": float}
+
+
+def rows_from_csv(path: str) -> list[Row]:
+    """The rows of a CSV that ``gpu_check.py`` wrote, with their numbers as numbers and empty cells left out."""
+    with open(path, newline="") as handle:
+        return [{key: _NUMBERS.get(key, str)(value) for key, value in row.items() if value != ""}
+                for row in csv.DictReader(handle)]
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python benchmarks/gpu_check_summary.py GPU_CHECK_CSV")
+    try:
+        found = rows_from_csv(sys.argv[1])
+    except OSError as error:
+        sys.exit(f"gpu_check_summary: no rows to summarise: {error}")
+    print("\n".join(summary(found, anchor_batch=ANCHOR_BATCH)))

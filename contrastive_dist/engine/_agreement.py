@@ -169,7 +169,7 @@ def _device(tensors: Sequence[object], group: ProcessGroup | None) -> torch.devi
 
 
 def _local_row(local: Sequence[int], device: torch.device) -> Tensor:
-    """This rank's row of the table on ``device``; on an accelerator from pinned memory, without waiting."""
+    """The local row of the table on ``device``; on an accelerator from pinned memory, without waiting."""
     row = torch.tensor([local], dtype=torch.int64)
     if device.type == "cpu":
         return row

@@ -135,7 +135,7 @@ def _filled(value: float, like: Tensor) -> Tensor:
 
 
 def positive_scalar(name: str, value: object, like: Tensor) -> Tensor:
-    """:func:`scalar_tensor`, and > 0 when given as a number (checked on the host; a tensor is not synced to check it)."""
+    """:func:`scalar_tensor`, and > 0 when given as a number (checked on the host; a tensor is not synced)."""
     scale = scalar_tensor(name, value, like)
     if not isinstance(value, Tensor) and not float(cast(float, value)) > 0:
         raise ValueError(f"{name} must be > 0 (it multiplies the similarities), got {value}")
