@@ -101,7 +101,7 @@ fi
 
 echo "== gpu_check: one GPU, measurement budget $BUDGET s"
 # The check stops measuring at its budget; the timeout is the backstop that keeps the summary below.
-timeout --signal=INT --kill-after=20 $((BUDGET + 150)) "${CHECK[@]}" --time-budget "$BUDGET" --point-seconds 1 \
+timeout --signal=INT --kill-after=20 $((BUDGET + 120)) "${CHECK[@]}" --time-budget "$BUDGET" --point-seconds 1 \
     --precisions bf16 tf32 fp32
 STATUS=$?
 echo "== gpu_day: gpu_check exit status $STATUS (1: a section failed; 124: stopped at the backstop)"
