@@ -6,9 +6,10 @@
 # Runs from a bare checkout: the package is not installed, PYTHONPATH is set to the checkout. The
 # libraries compared against come as wheels from $GPU_DAY_WHEELS (default .whl/, git-ignored; fill
 # it with `bash benchmarks/gpu_day.sh --fetch-wheels` where pip can reach PyPI), installed into a
-# temporary --target: pure-Python wheels of open_clip_torch, ftfy, wcwidth and siglip-kernel (their
-# other needs, torch, torchvision, timm, huggingface_hub, regex, safetensors, tqdm and triton, are
-# on the GPU machine already). Without CUDA it says so and exits 0 (GPU_DAY_DRY_RUN=1: it then runs
+# temporary --target: pure-Python wheels of open_clip_torch, ftfy, wcwidth, siglip-kernel, and einops
+# (the package's one dependency besides torch, there too, so that a machine with torch alone runs it;
+# open_clip's other needs, numpy, torchvision, timm, huggingface_hub, regex, safetensors and tqdm, and
+# triton are on the GPU machine already). Without CUDA it says so and exits 0 (GPU_DAY_DRY_RUN=1: it then runs
 # the check's CPU sections at tiny sizes instead, as a dry run of the whole pipeline).
 #
 #   OUT=/tmp/out bash benchmarks/gpu_day.sh        # sized for about 6 minutes on one H200
@@ -20,7 +21,7 @@ set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 WHEELS="${GPU_DAY_WHEELS:-$REPO/.whl}"
-PINS=(open_clip_torch==3.3.0 ftfy==6.3.1 wcwidth==0.2.13 siglip-kernel==0.1.2)
+PINS=(open_clip_torch==3.3.0 ftfy==6.3.1 wcwidth==0.2.13 siglip-kernel==0.1.2 einops==0.8.2)
 
 if [[ "${1:-}" == "--fetch-wheels" ]]; then  # here, where PyPI is reachable; not on the GPU machine
     exec "$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -79,17 +80,25 @@ for module in ("triton", "contrastive_dist", "open_clip", "open_clip.loss", "sig
         spec = importlib.util.find_spec(module.split(".")[0])
         where = f"installed at {spec.origin}" if spec else "not installed"
         print(f"import {module}: FAILED ({where}) {type(error).__name__}: {str(error).splitlines()[0][:120]}")
-from contrastive_dist.losses._precision import product_route
 device = torch.device("cuda" if cuda else "cpu")
-print(f"product route on {device.type}: bf16 {product_route(torch.bfloat16, device)}; "
-      f"fp32 {product_route(torch.float32, device)}")
+try:
+    from contrastive_dist.losses._precision import product_route
+    print(f"product route on {device.type}: bf16 {product_route(torch.bfloat16, device)}; "
+          f"fp32 {product_route(torch.float32, device)}")
+except Exception as error:
+    print(f"product route: unknown, the package does not import: {type(error).__name__}: {error}")
 sys.exit(0 if cuda else 3)
 PY
 CUDA_STATUS=${PIPESTATUS[0]}
 
 CHECK=("$PYTHON" benchmarks/gpu_check.py --out "$OUT")
+if [[ $CUDA_STATUS -ne 0 && $CUDA_STATUS -ne 3 ]]; then
+    echo "gpu_day: the machine facts failed (exit status $CUDA_STATUS; torch does not import?)"
+    "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)'
+    CUDA_STATUS=$?
+fi
 if [[ $CUDA_STATUS -ne 0 ]]; then
-    echo "gpu_day: no CUDA device on this machine (machine facts exit status $CUDA_STATUS): nothing to measure"
+    echo "gpu_day: no CUDA device on this machine: nothing to measure"
     if [[ "${GPU_DAY_DRY_RUN:-0}" == "1" ]]; then
         echo "== dry run: the check's CPU sections at tiny sizes"
         OMP_NUM_THREADS=1 "${CHECK[@]}" --device cpu --tiny --point-seconds 0.02
