@@ -9,7 +9,7 @@ first day on a bare machine)::
 Each command is sized to finish within 10 minutes on H100/H200 GPUs; ``--time-budget`` (480 s)
 skips, with a row saying so, any measurement that would end past it. Every row goes, as it is
 measured, to a CSV and a markdown log in ``--out`` (default: ``$OUT`` when set, else
-``gpu_check_out/``; both git-ignored names) and as one short line to stdout; a summary of about 4k
+``gpu_check_out/``; both git-ignored names) and as one short line to stdout; a summary of at most 9k
 characters comes last, so the end of the output carries the machine, the errors and the anchor. The
 first row records the GPU, driver, clocks, torch, CUDA, NCCL and Triton versions, the TF32 state,
 ``CONTRASTIVE_DIST_PRODUCTS`` / ``NVIDIA_TF32_OVERRIDE`` / ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE`` and
