@@ -130,7 +130,12 @@ def scalar_tensor(name: str, value: object, like: Tensor) -> Tensor:
 
 
 def _filled(value: float, like: Tensor) -> Tensor:
-    """A number the host holds as a 0-d tensor on ``like``'s device: filled there, not copied (no host sync)."""
+    """A number the host holds as a 0-d tensor on ``like``'s device: filled there, not copied (no host sync).
+
+    Under ``torch.compile`` the number is a constant of the graph, as before: no copy happens there either.
+    """
+    if torch.compiler.is_compiling():
+        return torch.tensor(value, dtype=compute_dtype(like.dtype), device=like.device)
     return torch.full((), value, dtype=compute_dtype(like.dtype), device=like.device)
 
 
