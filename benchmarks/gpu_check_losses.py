@@ -21,6 +21,7 @@ from gpu_check_report import Row
 from torch import Tensor
 
 from contrastive_dist import info_nce, siglip
+from contrastive_dist.losses._precision import product_route
 
 LOSSES = ("info_nce", "siglip")
 
@@ -33,21 +34,22 @@ class Precision:
     dtype: torch.dtype
     autocast: bool  # forward under torch.autocast(dtype=bfloat16), as mixed-precision training runs it
     tf32: bool  # float32 products may use TF32 (torch.set_float32_matmul_precision("high"))
-    ours: str
     open_clip: str
 
+    def ours(self, device: torch.device) -> str:
+        """Our core's route, as it resolves it here (``CONTRASTIVE_DIST_PRODUCTS``, device, torch version)."""
+        route = product_route(self.dtype, device)
+        if self.dtype == torch.float32:
+            route += " (TF32)" if self.tf32 else " (IEEE, TF32 off)"
+        return f"{route}; fp32 logits and state"
 
-# ``ours`` states the loss core's documented policy (contrastive_dist.losses._precision): bf16 features
-# enter the products as they are on CUDA (tensor cores, float32 results), are upcast on CPU; the
-# logits, running state and accumulators are float32 either way, with autocast off inside the core.
+
 PRECISIONS = {
-    "bf16": Precision("bf16", torch.bfloat16, True, False,
-                      "bf16 operands (tensor cores on CUDA, upcast on CPU), fp32 logits and state",
-                      "bf16 products, bf16 logits (autocast)"),
-    "fp32": Precision("fp32", torch.float32, False, False, "IEEE fp32 products (TF32 off)",
-                      "IEEE fp32 products (TF32 off)"),
-    "tf32": Precision("tf32", torch.float32, False, True, "TF32 products", "TF32 products"),
+    "bf16": Precision("bf16", torch.bfloat16, True, False, "bf16 products, bf16 logits (autocast)"),
+    "fp32": Precision("fp32", torch.float32, False, False, "IEEE fp32 products (TF32 off)"),
+    "tf32": Precision("tf32", torch.float32, False, True, "TF32 products"),
 }
+SIGLIP_KERNEL_COMPUTE = "siglip-kernel's own route for the dtype (bf16: cuBLAS products, Triton BCE)"
 
 
 @dataclass
@@ -106,6 +108,23 @@ def open_clip_loss(loss: str, *, rank: int = 0, world_size: int = 1) -> LossFn |
         return lambda x: clip(x.images, x.texts, x.log_scale.exp())
     sigmoid = SigLipLoss(rank=rank, world_size=world_size)
     return lambda x: sigmoid(x.images, x.texts, x.log_scale.exp(), x.bias)
+
+
+def siglip_kernel_loss(*, chunk_size: int | None = None) -> LossFn | None:
+    """siglip-kernel's SigLIP (Triton, CUDA only), or ``None`` when it is not installed.
+
+    ``chunk_size=None``: its default entry point (``fused_siglip_loss``, which picks the kernel and
+    the chunk for the dtype and GPU); a number: its chunked bf16 kernel at that chunk. It takes the
+    log of the scale, as our inputs hold it, and normalises as ours does (the sum over pairs / B).
+    """
+    try:
+        import siglip_kernel
+    except Exception:  # noqa: BLE001 - a library that fails to import is missing for the comparison
+        return None
+    if chunk_size is None:
+        return lambda x: siglip_kernel.fused_siglip_loss(x.images, x.texts, x.log_scale, x.bias)
+    return lambda x: siglip_kernel.fused_chunked_bf16_siglip_loss(x.images, x.texts, x.log_scale, x.bias,
+                                                                  chunk_size=chunk_size)
 
 
 @contextlib.contextmanager

@@ -160,6 +160,6 @@ def precision_at_scale(rank: int, world_size: int, device: torch.device, sizes: 
             if loss == "siglip":
                 got["bias"] = _mean_over_ranks(_grad(x.bias), world_size)
             yield {"check": f"{loss} {communication}: value and gradients vs float64", "dtype": "bfloat16",
-                   "compute": precision.ours, "ranks": world_size, "batch": sum(shards),
+                   "compute": precision.ours(device), "ranks": world_size, "batch": sum(shards),
                    "chunk_size": sizes.chunk_sizes[0], **errors(got, want, shards, rank, device)}
         del whole, want

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from gpu_check_losses import LOSSES, PRECISIONS, LossFn, make_inputs, open_clip_loss, ours, train_step
 from gpu_check_many import COMMUNICATIONS
 from gpu_check_one import OPEN_CLIP_MISSING
-from gpu_check_report import Deadline, Row, Sizes, measure
+from gpu_check_report import Deadline, Row, Sizes, failure, measure, out_of_memory, release
 from torch import Tensor
 
 from contrastive_dist import all_gather
@@ -100,10 +100,16 @@ def _timed(fn: LossFn | None, rows: int, device: torch.device, sizes: Sizes, poi
     try:
         timing = measure(train_step(fn, x, precision, device), device, leaves=x.leaves(), group=group,
                          point_seconds=point_seconds)
-    except torch.OutOfMemoryError:  # the same size on every rank: every rank runs out alike
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        # The same size on every rank: every rank runs out alike. Any other error is raised (the
+        # section's), since a rank that went on alone would wait for the others' collectives.
+        if not out_of_memory(error):
+            raise
         del x
-        torch.cuda.empty_cache()
-        return {"note": "out of memory"}
+        release(device)
+        return {"note": failure(error)}
+    del x
+    release(device)  # the next method starts from an empty cache, as the first did
     return {"time_ms": timing.time_ms, "peak_mib": timing.peak_mib, "repeats": timing.repeats}
 
 
@@ -121,7 +127,7 @@ def loss_speed(rank: int, world_size: int, device: torch.device, sizes: Sizes, p
                 open_clip_ms = fields.get("time_ms")
             elif open_clip_ms and "time_ms" in fields:
                 ratio = fields["time_ms"] / open_clip_ms
-            compute = PRECISIONS["bf16"].open_clip if label == "open_clip" else PRECISIONS["bf16"].ours
+            compute = PRECISIONS["bf16"].open_clip if label == "open_clip" else PRECISIONS["bf16"].ours(device)
             yield {"check": f"{loss}: {label}", "dtype": "bfloat16", "compute": compute, "ranks": world_size,
                    "batch": sizes.loss_rows * world_size, "chunk_size": None if label == "open_clip" else chunk,
                    "ratio": ratio, **fields}
@@ -131,25 +137,39 @@ def memory_by_ranks(rank: int, world_size: int, device: torch.device, sizes: Siz
                     point_seconds: float) -> Iterator[Row]:
     """Per-rank peak of CLIP at a fixed ``memory_rows`` per rank on the first 1, 2, 4, … W ranks.
 
-    ``ratio`` is the peak over the one-rank peak of the same mode: flat (≈ 1) for ring mode,
-    growing with W for gather mode, which holds every rank's features.
+    ``ratio`` is the peak over the 2-rank peak of the same mode (the one-rank peak where there is
+    one rank): from W = 2 on, ring mode holds the same blocks in flight at any W, so its ratio stays
+    near 1, while gather mode's grows with W (it holds every rank's features). One rank has no ring
+    buffers at all: normalising to it would read every ring row as growth.
     """
     counts = sorted({min(2**power, world_size) for power in range(world_size.bit_length() + 1)})
     # Every rank creates every group; a rank outside one gets a placeholder it never passes on.
     groups = {count: cast(dist.ProcessGroup, dist.new_group(list(range(count)))) for count in counts}
     chunk = sizes.chunk_sizes[0]
     for mode in COMMUNICATIONS:
-        first_peak = None
+        measured: dict[int, Row] = {}
         for count in counts:
-            fields: Row = {}
+            measured[count] = {}
             if rank < count:  # the other ranks wait for the next section
                 fn = ours("info_nce", chunk_size=chunk, communication=mode, group=groups[count])
-                fields = _timed(fn, sizes.memory_rows, device, sizes, point_seconds, seed=rank, group=groups[count])
-            first_peak = fields.get("peak_mib") if first_peak is None else first_peak
-            ratio = fields["peak_mib"] / first_peak if first_peak and "peak_mib" in fields else None
+                measured[count] = _timed(fn, sizes.memory_rows, device, sizes, point_seconds, seed=rank,
+                                         group=groups[count])
+        ratios = over_two_ranks({count: fields.get("peak_mib") for count, fields in measured.items()})
+        for count, fields in measured.items():
             yield {"check": f"info_nce: ours {mode}, per-rank peak", "dtype": "bfloat16",
-                   "compute": PRECISIONS["bf16"].ours, "ranks": count,
-                   "batch": sizes.memory_rows * count, "chunk_size": chunk, "ratio": ratio, **fields}
+                   "compute": PRECISIONS["bf16"].ours(device), "ranks": count,
+                   "batch": sizes.memory_rows * count, "chunk_size": chunk, "ratio": ratios[count], **fields}
+
+
+def over_two_ranks(peaks: dict[int, float | None]) -> dict[int, float | None]:
+    """Each rank count's peak over the 2-rank peak (the 1-rank peak where there is no 2); ``None`` where unknown.
+
+    Example: ``{1: 10.0, 2: 40.0, 4: 40.0}`` gives ``{1: 0.25, 2: 1.0, 4: 1.0}``: flat from 2 ranks on.
+    """
+    base = peaks.get(2 if 2 in peaks else 1)
+    known = base is not None and base > 0  # NaN (no memory counters, CPU) is not > 0
+    return {count: peak / base if known and peak is not None and base else None
+            for count, peak in peaks.items()}
 
 
 # Cheng et al. 2024, "Breaking the Memory Barrier: Near Infinite Batch Size Scaling for Contrastive
@@ -186,7 +206,8 @@ def sweep(rank: int, world_size: int, device: torch.device, sizes: Sizes, deadli
     for batch in sizes.sweep_batches:
         gather_ms = None
         for mode in COMMUNICATIONS:
-            row: Row = {"check": f"info_nce: ours {mode}", "dtype": "bfloat16", "compute": PRECISIONS["bf16"].ours,
+            row: Row = {"check": f"info_nce: ours {mode}", "dtype": "bfloat16",
+                        "compute": PRECISIONS["bf16"].ours(device),
                         "ranks": world_size, "batch": batch, "chunk_size": chunk}
             before = last.get(mode)
             step_s = 0.0 if before is None else before[1] * (batch / before[0]) ** 2

@@ -1,16 +1,19 @@
 """The one-GPU sections of ``gpu_check.py``: precision against float64, then time and memory per global batch.
 
-Each function yields rows (without their ``section``) for :func:`gpu_check_report.run_section`.
+One section per (precision, loss), so a failure costs that pair's rows only; inside a section a
+method that raises costs its own rows only (an allocator error reads as out of memory), and the
+allocator's cache is emptied between methods. Each function yields rows (without their
+``section``) for :func:`gpu_check_report.run_section`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 from gpu_check_losses import (
-    LOSSES,
-    PRECISIONS,
+    SIGLIP_KERNEL_COMPUTE,
     LossFn,
     Precision,
     gradients,
@@ -19,109 +22,136 @@ from gpu_check_losses import (
     ours,
     reference,
     relative_errors,
+    siglip_kernel_loss,
     train_step,
 )
-from gpu_check_report import Deadline, Row, Sizes, measure
+from gpu_check_report import Deadline, Row, Sizes, failure, measure, out_of_memory, release
+from gpu_check_summary import ANCHOR_BATCH
 
-OPEN_CLIP_MISSING = "skipped: open_clip is not installed (pip install open_clip_torch)"
-
-
-def _methods(loss: str, chunk_sizes: Sequence[int], *, ring: bool) -> list[tuple[str, int | None, LossFn | None]]:
-    """(label, chunk_size, loss function or None when open_clip is missing): open_clip first, then ours."""
-    methods: list[tuple[str, int | None, LossFn | None]] = [("open_clip", None, open_clip_loss(loss))]
-    methods += [("ours gather", chunk, ours(loss, chunk_size=chunk)) for chunk in chunk_sizes]
-    if ring:  # one rank: the ring has one block, here to show its single-device cost and precision
-        methods.append(("ours ring", chunk_sizes[0], ours(loss, chunk_size=chunk_sizes[0], communication="ring")))
-    return methods
+OPEN_CLIP_MISSING = "skipped: open_clip is not installed (pip install open_clip_torch, or its wheels: gpu_day.sh)"
+SIGLIP_KERNEL_MISSING = "skipped: siglip-kernel is not installed (pip install siglip-kernel, or its wheel: gpu_day.sh)"
+SIGLIP_KERNEL_CUDA = "skipped: siglip-kernel runs on CUDA only (Triton)"
+ANCHOR = "siglip-kernel"  # the method every SigLIP row is compared with at ANCHOR_BATCH, measured on the same GPU
 
 
-def _row(loss: str, label: str, precision: Precision, batch: int, chunk: int | None) -> Row:
-    return {"check": f"{loss}: {label}", "dtype": str(precision.dtype).removeprefix("torch."), "batch": batch,
-            "compute": precision.open_clip if label == "open_clip" else precision.ours, "chunk_size": chunk,
-            "ranks": 1}
+class Method(NamedTuple):
+    label: str
+    chunk_size: int | None
+    fn: LossFn | None  # None: not run, ``missing`` says why
+    compute: str
+    missing: str = ""
 
 
-def exactness(device: torch.device, sizes: Sizes) -> Iterator[Row]:
+def methods(loss: str, precision: Precision, device: torch.device, chunk_sizes: Sequence[int]) -> list[Method]:
+    """open_clip, ours in gather mode per chunk size, ours in ring mode (one rank: one block), then
+    siglip-kernel for bf16 SigLIP (its default entry point, and its minimum-memory chunk 1024)."""
+    found = [Method("open_clip", None, open_clip_loss(loss), precision.open_clip, OPEN_CLIP_MISSING)]
+    compute = precision.ours(device)
+    found += [Method("ours gather", chunk, ours(loss, chunk_size=chunk), compute) for chunk in chunk_sizes]
+    found.append(Method("ours ring", chunk_sizes[0], ours(loss, chunk_size=chunk_sizes[0], communication="ring"),
+                        compute))
+    if loss == "siglip" and precision.dtype == torch.bfloat16:
+        for label, chunk in ((ANCHOR, None), (f"{ANCHOR} chunk_size=1024", 1024)):
+            fn = siglip_kernel_loss(chunk_size=chunk) if device.type == "cuda" else None
+            why = SIGLIP_KERNEL_CUDA if device.type != "cuda" else SIGLIP_KERNEL_MISSING
+            found.append(Method(label, chunk, fn, SIGLIP_KERNEL_COMPUTE, why))
+    return found
+
+
+def _row(loss: str, method: Method, precision: Precision, batch: int | None) -> Row:
+    return {"check": f"{loss}: {method.label}", "dtype": str(precision.dtype).removeprefix("torch."), "batch": batch,
+            "compute": method.compute, "chunk_size": method.chunk_size, "ranks": 1}
+
+
+def exactness(device: torch.device, sizes: Sizes, precision: Precision, loss: str) -> Iterator[Row]:
     """Every method's value and gradients (features, scale, bias) against the float64 reference."""
-    for precision in (PRECISIONS[name] for name in sizes.precisions):
-        for loss in LOSSES:
-            x = make_inputs(sizes.exact_batch, sizes.dim, precision.dtype, device)
-            want = reference(loss, x)
-            for label, chunk, fn in _methods(loss, sizes.chunk_sizes[:1], ring=True):
-                row = _row(loss, label, precision, sizes.exact_batch, chunk)
-                if fn is None:
-                    yield {**row, "note": OPEN_CLIP_MISSING}
-                    continue
-                value = train_step(fn, x, precision, device)()
-                yield {**row, **relative_errors(gradients(loss, value, x), want)}
-                for leaf in x.leaves():
-                    leaf.grad = None
+    x = make_inputs(sizes.exact_batch, sizes.dim, precision.dtype, device)
+    want = reference(loss, x)
+    for method in methods(loss, precision, device, sizes.chunk_sizes[:1]):
+        row = _row(loss, method, precision, sizes.exact_batch)
+        if method.fn is None:
+            yield {**row, "note": method.missing}
+            continue
+        try:
+            value = train_step(method.fn, x, precision, device)()
+            yield {**row, **relative_errors(gradients(loss, value, x), want)}
+        except Exception as error:  # noqa: BLE001 - one method's failure costs its own row only
+            yield {**row, "note": failure(error)}
+        for leaf in x.leaves():
+            leaf.grad = None
+        release(device)
 
 
-def speed(device: torch.device, sizes: Sizes, deadline: Deadline, point_seconds: float) -> Iterator[Row]:
-    """Forward+backward time and peak memory per global batch; a method stops growing at its first OOM.
+def speed(device: torch.device, sizes: Sizes, precision: Precision, loss: str, deadline: Deadline,
+          point_seconds: float) -> Iterator[Row]:
+    """Forward+backward time and peak memory per global batch; a method stops growing at its first failure.
 
     ``ratio`` is the time over open_clip's at the same loss, precision and batch.
     """
-    for precision in (PRECISIONS[name] for name in sizes.precisions):
-        for loss in LOSSES:
-            open_clip_ms: dict[int, float] = {}
-            for label, chunk, fn in _methods(loss, sizes.chunk_sizes, ring=False):
-                if fn is None:
-                    yield {**_row(loss, label, precision, 0, chunk), "batch": None, "note": OPEN_CLIP_MISSING}
-                    continue
-                last: tuple[int, float] | None = None  # (batch, seconds a step) of the last size measured
-                for batch in sizes.batches:
-                    row = _row(loss, label, precision, batch, chunk)
-                    # Time grows as batch² here: skip what would end past the budget, say so.
-                    step_s = 0.0 if last is None else last[1] * (batch / last[0]) ** 2
-                    if not deadline.allows(2 * step_s + max(point_seconds, 3 * step_s), device):
-                        yield {**row, "note": "skipped: past the time budget (--time-budget)"}
-                        continue
-                    x = make_inputs(batch, sizes.dim, precision.dtype, device)
-                    try:
-                        timing = measure(train_step(fn, x, precision, device), device, leaves=x.leaves(),
-                                         point_seconds=point_seconds)
-                    except torch.OutOfMemoryError:
-                        del x
-                        torch.cuda.empty_cache()
-                        yield {**row, "note": "out of memory (larger batches not tried)"}
-                        break
-                    del x
-                    last = (batch, timing.time_ms / 1e3)
-                    ratio = None
-                    if label == "open_clip":
-                        open_clip_ms[batch] = timing.time_ms
-                    elif batch in open_clip_ms:
-                        ratio = timing.time_ms / open_clip_ms[batch]
-                    yield {**row, "time_ms": timing.time_ms, "peak_mib": timing.peak_mib, "repeats": timing.repeats,
-                           "ratio": ratio}
+    open_clip_ms: dict[int, float] = {}
+    for method in methods(loss, precision, device, sizes.chunk_sizes):
+        if method.fn is None:
+            yield {**_row(loss, method, precision, None), "note": method.missing}
+            continue
+        last: tuple[int, float] | None = None  # (batch, seconds a step) of the last size measured
+        for batch in sizes.batches:
+            row = _row(loss, method, precision, batch)
+            # Time grows as batch² here: skip what would end past the budget, say so.
+            step_s = 0.0 if last is None else last[1] * (batch / last[0]) ** 2
+            if not deadline.allows(2 * step_s + max(point_seconds, 3 * step_s), device):
+                yield {**row, "note": "skipped: past the time budget (--time-budget)"}
+                continue
+            try:
+                x = make_inputs(batch, sizes.dim, precision.dtype, device)
+                timing = measure(train_step(method.fn, x, precision, device), device, leaves=x.leaves(),
+                                 point_seconds=point_seconds)
+            except Exception as error:  # noqa: BLE001 - out of memory or not: this method's larger sizes only
+                x = None
+                release(device)
+                yield {**row, "note": failure(error) if out_of_memory(error) else
+                       failure(error) + " (larger batches not tried)"}
+                break
+            del x
+            last = (batch, timing.time_ms / 1e3)
+            ratio = None
+            if method.label == "open_clip":
+                open_clip_ms[batch] = timing.time_ms
+            elif batch in open_clip_ms:
+                ratio = timing.time_ms / open_clip_ms[batch]
+            yield {**row, "time_ms": timing.time_ms, "peak_mib": timing.peak_mib, "repeats": timing.repeats,
+                   "ratio": ratio}
+        release(device)
 
 
-# siglip-kernel 0.1.1's README (github.com/avocardio/siglip-kernel, PyPI "siglip-kernel"): Triton
-# kernels for the SigLIP loss, measured on Hopper (GH200/H100), B = 65,536, bf16, forward+backward.
-# Its summary does not restate D; its usage example uses D = 768. "GB" read as 10^9 bytes.
-TRITON_SIGLIP = "siglip-kernel 0.1.1 README, Hopper (GH200/H100), bf16, fwd+bwd"
+# siglip-kernel 0.1.2's README (github.com/avocardio/siglip-kernel, PyPI "siglip-kernel"), measured on
+# Hopper (GH200/H100), B = 65,536, bf16, forward+backward; "GB" read as 10^9 bytes. Context only: the
+# ratios below are against siglip-kernel measured live on the same GPU.
+PUBLISHED_NOTE = "siglip-kernel 0.1.2 README, Hopper (GH200/H100), bf16, fwd+bwd; context, not a ratio's base"
 PUBLISHED: list[Row] = [
-    {"check": "siglip: siglip-kernel fused (published)", "dtype": "bfloat16", "batch": 65536, "time_ms": 48.8,
-     "peak_mib": 1.4e9 / 2**20, "ranks": 1, "note": f"{TRITON_SIGLIP}: 48.8 ms on 1.4 GB"},
-    {"check": "siglip: siglip-kernel chunk_size=1024 (published)", "dtype": "bfloat16", "batch": 65536,
+    {"check": "siglip: siglip-kernel fused (published)", "dtype": "bfloat16", "batch": ANCHOR_BATCH,
+     "time_ms": 48.8, "peak_mib": 1.4e9 / 2**20, "ranks": 1, "note": f"{PUBLISHED_NOTE}: 48.8 ms on 1.4 GB"},
+    {"check": "siglip: siglip-kernel chunk_size=1024 (published)", "dtype": "bfloat16", "batch": ANCHOR_BATCH,
      "chunk_size": 1024, "time_ms": 54.3, "peak_mib": 640e6 / 2**20, "ranks": 1,
-     "note": f"{TRITON_SIGLIP}: its minimum-memory setting, 54.3 ms on 640 MB"},
-    {"check": "siglip: eager cuBLAS reference (published)", "dtype": "bfloat16", "batch": 65536, "time_ms": 102.0,
-     "peak_mib": 33e9 / 2**20, "ranks": 1, "note": f"{TRITON_SIGLIP}: 102.0 ms on 33 GB"},
+     "note": f"{PUBLISHED_NOTE}: 54.3 ms on 640 MB"},
 ]
 
 
-def published(measured: Sequence[Row]) -> Iterator[Row]:
-    """The published figures, then ours at the same setting as ratios (targets: ≤ 1.3× the time, ≤ 1.5 GB)."""
+def anchor(measured: Sequence[Row]) -> Iterator[Row]:
+    """Every bf16 SigLIP method at ``ANCHOR_BATCH`` over siglip-kernel measured on the same GPU, then the
+    published figures for context. ``ratio``: time over the anchor's; the note gives the peak ratio."""
+    at_anchor = [row for row in measured if row.get("check", "").startswith("siglip: ")
+                 and row.get("dtype") == "bfloat16" and row.get("batch") == ANCHOR_BATCH
+                 and row.get("time_ms") is not None and "(published)" not in row["check"]]
+    base = next((row for row in at_anchor if row["check"] == f"siglip: {ANCHOR}"), None)
+    if base is None:
+        yield {"check": f"siglip: each method / {ANCHOR} (live)", "dtype": "bfloat16", "batch": ANCHOR_BATCH,
+               "note": f"no ratio: {ANCHOR} was not measured at this batch here (CUDA and its wheel are needed)"}
+    else:
+        for row in at_anchor:
+            if row is base:
+                continue
+            peak = row["peak_mib"] / base["peak_mib"] if base.get("peak_mib") else float("nan")
+            yield {"check": f"{row['check']} / {ANCHOR} (live)", "dtype": "bfloat16", "batch": ANCHOR_BATCH,
+                   "chunk_size": row.get("chunk_size"), "ratio": row["time_ms"] / base["time_ms"],
+                   "note": f"time ratio, same GPU, same protocol; peak ratio {peak:.2f}"}
     yield from PUBLISHED
-    anchor = PUBLISHED[0]
-    for row in measured:
-        same = row.get("check") == "siglip: ours gather" and row.get("dtype") == "bfloat16"
-        if same and row.get("batch") == anchor["batch"] and row.get("time_ms") is not None:
-            yield {"check": f"siglip: ours gather chunk {row['chunk_size']} / siglip-kernel fused",
-                   "dtype": "bfloat16", "batch": anchor["batch"], "chunk_size": row["chunk_size"],
-                   "ratio": row["time_ms"] / anchor["time_ms"],
-                   "note": f"time ratio; peak {row['peak_mib'] * 2**20 / 1e9:.2f} GB against 1.4 GB "
-                           "(targets: ratio ≤ 1.3, peak ≤ 1.5 GB; D here vs. unstated there)"}

@@ -6,17 +6,17 @@
   (on every rank alike, when the failure is the same on every rank);
 * :func:`measure`: median step time from CUDA events (wall clock on CPU) and peak memory above the
   inputs, the same protocol for every method; with a process group, the slowest rank's figures;
-* :func:`machine_row`: the first row, which says what the numbers were measured on.
+* :func:`out_of_memory` and :func:`release`: an allocator failure of any kind reads as out of memory,
+  and the cache is emptied between methods, so one method's memory does not fail the next.
 """
 
 from __future__ import annotations
 
 import csv
-import datetime
+import gc
 import math
-import platform
+import re
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -56,22 +56,24 @@ Row = dict[str, Any]
 
 
 class Report:
-    """Rows to a CSV file and to stdout as a markdown table, each as soon as it is measured.
+    """Rows to a CSV file and a markdown log, and a short line on stdout, each as soon as it is measured.
 
     Args:
         path: the CSV file (overwritten); ``None`` writes no file.
-        echo: print each row to stdout.
+        echo: print a short line per row to stdout (the whole row is in the files).
+        log: a markdown file that gets the whole table (overwritten); ``None`` writes none.
     """
 
-    def __init__(self, path: str | None, *, echo: bool = True) -> None:
+    def __init__(self, path: str | None, *, echo: bool = True, log: str | None = None) -> None:
         self.rows: list[Row] = []
         self.echo = echo
         self._handle: IO[str] | None = open(path, "w", newline="") if path else None
         self._writer = csv.DictWriter(self._handle, fieldnames=COLUMNS) if self._handle else None
         if self._writer is not None:
             self._writer.writeheader()
-        if echo:
-            print("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS), flush=True)
+        self._log: IO[str] | None = open(log, "w") if log else None
+        if self._log is not None:
+            self._log.write("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n")
 
     def write(self, row: Row) -> None:
         unknown = set(row) - set(COLUMNS)
@@ -81,13 +83,49 @@ class Report:
         if self._writer is not None and self._handle is not None:
             self._writer.writerow({column: _cell(row.get(column)) for column in COLUMNS})
             self._handle.flush()
-        if self.echo:
-            print("| " + " | ".join(_cell(row.get(column)) for column in COLUMNS) + " |", flush=True)
+        if self._log is not None:
+            self._log.write("| " + " | ".join(_cell(row.get(column)) for column in COLUMNS) + " |\n")
+            self._log.flush()
+        if self.echo:  # the device tool returns only the output's tail: keep each line short
+            print(short_line(row), flush=True)
 
     def close(self) -> None:
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = self._writer = None
+        for handle in (self._handle, self._log):
+            if handle is not None:
+                handle.close()
+        self._handle = self._writer = self._log = None
+
+
+def short_line(row: Row) -> str:
+    """One row in about a hundred characters: where, what, and its figures."""
+    figures = [f"{key} {_cell(row.get(key))}" for key in ("dtype", "batch", "chunk_size", "time_ms", "peak_mib",
+                                                            "ratio", "max_error") if row.get(key) is not None]
+    note = str(row.get("note") or "")
+    return " | ".join([str(row.get("section", "")), str(row.get("check", "")), *figures, note[:80]]).rstrip(" |")
+
+
+_ALLOCATOR_WORDS = re.compile(r"out of memory|ALLOC_FAILED|cudaErrorMemoryAllocation|CUDA error: alloc", re.IGNORECASE)
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is the allocator's: ``torch.OutOfMemoryError``, or a ``RuntimeError`` naming a failed
+    allocation (cuBLAS's ``CUBLAS_STATUS_ALLOC_FAILED`` when another method has filled the memory, cuDNN's, ...)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and bool(_ALLOCATOR_WORDS.search(str(error))))
+
+
+def failure(error: BaseException) -> str:
+    """A row's note for a method that raised: out of memory, or the error's first line."""
+    if out_of_memory(error):
+        return "out of memory (larger batches not tried)"
+    return f"failed: {type(error).__name__}: {error}".splitlines()[0][:300]
+
+
+def release(device: torch.device) -> None:
+    """Free what the last method left: its tensors, then the allocator's cache (what the next one may need)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _cell(value: Any) -> str:
@@ -116,8 +154,8 @@ def run_section(report: Report, name: str, rows: Iterable[Row], *, device: torch
     except Exception as exc:  # noqa: BLE001 - one section's failure must not cost the others
         error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         print(f"gpu_check: section {name!r} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        if device is not None and device.type == "cuda":
-            torch.cuda.empty_cache()
+    if device is not None:
+        release(device)
     errors = [error]
     if dist.is_initialized() and dist.get_world_size() > 1:
         errors = [None] * dist.get_world_size()
@@ -213,42 +251,3 @@ class Deadline:
     def allows(self, predicted_s: float, device: torch.device, group: dist.ProcessGroup | None = None) -> bool:
         late = float(time.monotonic() + predicted_s > self.end)
         return agreed_max(late, device, group) == 0.0
-
-
-def machine_row(device: torch.device, world_size: int) -> Row:
-    """What the numbers were measured on: GPU, driver, torch, CUDA, NCCL, TF32 state, open_clip, date."""
-    cuda = device.type == "cuda"
-    name = torch.cuda.get_device_name(device) if cuda else f"CPU ({platform.processor() or platform.machine()})"
-    facts = [f"driver {_driver_version()}" if cuda else "no GPU", f"torch {torch.__version__}",
-             f"CUDA {torch.version.cuda or 'none'}"]
-    if cuda:
-        facts.append(f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
-    facts += [_tf32_state(), f"open_clip {_open_clip_version()}",
-              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"]
-    return {"section": "machine", "check": f"{world_size} x {name}", "ranks": world_size, "note": "; ".join(facts)}
-
-
-def _driver_version() -> str:
-    try:
-        result = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=20, check=True)
-        return result.stdout.splitlines()[0].strip()
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return "unknown (no nvidia-smi)"
-
-
-def _tf32_state() -> str:
-    try:  # the legacy flags raise once the new fp32_precision API has been used: report that one then
-        matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-        return f"TF32 matmul {'on' if matmul else 'off'}, cuDNN {'on' if cudnn else 'off'}"
-    except RuntimeError:
-        return (f"fp32_precision matmul {torch.backends.cuda.matmul.fp32_precision}, "
-                f"cuDNN {torch.backends.cudnn.fp32_precision}")
-
-
-def _open_clip_version() -> str:
-    try:  # what the comparisons will import, not what pip's metadata says
-        import open_clip
-    except ImportError:
-        return "not installed"
-    return str(getattr(open_clip, "__version__", "(version unknown)"))

@@ -48,8 +48,14 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def _section(rows: list[dict[str, str]], suffix: str) -> list[dict[str, str]]:
-    return [row for row in rows if row["section"].endswith(suffix)]
+LOSSES = ("info_nce", "siglip")
+
+
+def _section(rows: list[dict[str, str]], name: str, *, start: bool = False) -> list[dict[str, str]]:
+    """The rows of the section that ends with ``name`` (``start``: of every section of the 1-rank ``name``)."""
+    if start:
+        return [row for row in rows if row["section"].startswith(f"1 rank: {name}")]
+    return [row for row in rows if row["section"].endswith(name)]
 
 
 def test_without_cuda_it_says_so_in_one_line_and_exits_0(tmp_path: Path) -> None:
@@ -63,67 +69,148 @@ def test_without_cuda_it_says_so_in_one_line_and_exits_0(tmp_path: Path) -> None
     assert not (tmp_path / "out.csv").exists()
 
 
-def test_one_rank_sections_end_to_end_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                             one_thread: None) -> None:
-    path = tmp_path / "one.csv"
-    assert _module("gpu_check").main([*FAST, "--csv", str(path)]) == 0
+def test_one_rank_sections_end_to_end_on_cpu_with_every_file_under_out(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, one_thread: None) -> None:
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    assert _module("gpu_check").main(FAST) == 0
+    assert sorted(os.listdir(tmp_path / "out")) == ["gpu_check_1cpu.csv", "gpu_check_1cpu.md",
+                                                    "gpu_check_1cpu_summary.txt"]
+    path = tmp_path / "out" / "gpu_check_1cpu.csv"
     rows = _read(path)
     assert list(rows[0]) == list(_module("gpu_check_report").COLUMNS)
     machine = rows[0]
     assert machine["section"] == "machine" and machine["check"].startswith("1 x CPU")
-    for fact in (f"torch {torch.__version__}", "CUDA ", "TF32 matmul off", "open_clip ", "UTC"):
+    for fact in (f"torch {torch.__version__}", "CUDA ", "Triton ", "TF32 matmul off", "CONTRASTIVE_DIST_PRODUCTS=",
+                 "NVIDIA_TF32_OVERRIDE=", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=",
+                 "bf16 route: bfloat16 upcast to float32 before the products", "open_clip ", "siglip-kernel ", "UTC"):
         assert fact in machine["note"], machine
-    exactness = _section(rows, "exactness")
-    # 2 precisions × 2 losses × (open_clip, ours gather, ours ring), each with its scale (and bias) gradient.
+    exactness = _section(rows, "exactness", start=True)
+    assert {row["section"] for row in exactness} == {f"1 rank: exactness {precision} {loss}"
+                                                     for precision in ("bf16", "fp32") for loss in LOSSES}
+    # 2 precisions × 2 losses × (open_clip, ours gather, ours ring), and siglip-kernel's two (bf16 SigLIP; CUDA only).
+    kernel = [row for row in exactness if "siglip-kernel" in row["check"]]
+    assert len(kernel) == 2
+    assert all(row["note"] == "skipped: siglip-kernel runs on CUDA only (Triton)" for row in kernel)
+    exactness = [row for row in exactness if row not in kernel]
     assert len(exactness) == 12 and all("scale" in _errors(row["note"]) for row in exactness)
     assert all("bias" in _errors(row["note"]) for row in exactness if row["check"].startswith("siglip"))
     for row in exactness:
         errors = _errors(row["note"])
         assert float(row["max_error"]) == pytest.approx(max(errors.values()), rel=0.1), row  # the note has 2 digits
         if row["dtype"] == "float32":
-            assert float(row["max_error"]) < 1e-5, row
+            assert float(row["max_error"]) < 1e-5 and row["compute"].startswith(("float32 products", "IEEE")), row
         else:  # bf16 features: gradients come back in bf16, whose rounding is 2**-9 relative
             assert float(row["max_error"]) < 2e-2, row
-            if "ours" in row["check"]:  # our core's float32 logits keep the value to fp32 precision
-                assert errors["value"] < 1e-5 and row["compute"].startswith("bf16 operands"), row
+            if "ours" in row["check"]:  # our core's float32 logits keep the value to fp32 precision; its route
+                assert errors["value"] < 1e-5, row
+                assert row["compute"] == "bfloat16 upcast to float32 before the products; fp32 logits and state", row
             else:
                 assert row["compute"] == "bf16 products, bf16 logits (autocast)", row
-    speed = _section(rows, "speed and memory")
-    # 2 precisions × 2 losses × (open_clip, ours with 2 chunk sizes) × 2 batches.
-    assert len(speed) == 24
+    speed = [row for row in _section(rows, "speed", start=True) if "siglip-kernel" not in row["check"]]
+    # 2 precisions × 2 losses × (open_clip, ours gather with 2 chunk sizes, ours ring) × 2 batches.
+    assert len(speed) == 32
+    assert {row["check"].split(": ")[1] for row in speed} == {"open_clip", "ours gather", "ours ring"}
     assert all(float(row["time_ms"]) > 0 and int(row["repeats"]) >= 3 and row["peak_mib"] == "" for row in speed)
     assert all(float(row["ratio"]) > 0 for row in speed if "ours" in row["check"])
-    published = _section(rows, "published")
-    assert [row["time_ms"] for row in published] == ["48.80", "54.30", "102.00"]
-    assert all("siglip-kernel 0.1.1 README" in row["note"] and row["batch"] == "65536" for row in published)
+    anchor = _section(rows, "anchor")
+    assert anchor[0]["note"].startswith("no ratio: siglip-kernel was not measured")
+    assert [row["time_ms"] for row in anchor[1:]] == ["48.80", "54.30"]
+    assert all("siglip-kernel 0.1.2 README" in row["note"] and row["batch"] == "65536" for row in anchor[1:])
     printed = capsys.readouterr().out
-    assert printed.count("\n| 1 rank: ") == len(rows) - 1 and f"written to {path}" in printed
+    assert printed.count("\n1 rank: ") == len(rows) - 1 and f"written to {path}" in printed
+    summary = printed[printed.index("== gpu_check summary =="): printed.index("written to")]
+    assert len(summary) < _module("gpu_check_summary").LIMIT and "siglip: ours gather bfloat16 @ 48" in summary
+    assert (tmp_path / "out" / "gpu_check_1cpu_summary.txt").read_text() == summary
+    # gpu_day.sh prints the summary again from the CSV, last: the same lines.
+    again = _module("gpu_check_summary").summary(_module("gpu_check_summary").rows_from_csv(str(path)),
+                                                  anchor_batch=65536)
+    assert "\n".join(again) + "\n" == summary
 
 
 def test_a_failing_section_costs_only_its_rows_and_earlier_rows_are_already_on_disk(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None) -> None:
     path, seen_on_disk = tmp_path / "one.csv", []
+    one = _module("gpu_check_one")
+    original = one.speed
 
-    def failing_speed(*args: Any) -> Iterator[dict[str, Any]]:
+    def failing_speed(device: Any, sizes: Any, precision: Any, loss: str, *args: Any) -> Iterator[dict[str, Any]]:
+        if (precision.name, loss) != ("bf16", "siglip"):
+            yield from original(device, sizes, precision, loss, *args)
+            return
         seen_on_disk.extend(_read(path))  # what a crash at this moment would leave
         yield {"check": "measured before the failure"}
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(_module("gpu_check_one"), "speed", failing_speed)
-    assert _module("gpu_check").main([*FAST, "--csv", str(path)]) == 1
-    assert [row["section"] for row in seen_on_disk] == ["machine"] + ["1 rank: exactness"] * 12
+    monkeypatch.setattr(one, "speed", failing_speed)
+    assert _module("gpu_check").main([*FAST, "--csv", str(path), "--out", str(tmp_path)]) == 1
+    assert seen_on_disk[0]["section"] == "machine"
+    assert all(row["section"].startswith("1 rank: exactness") for row in seen_on_disk[1:]) and len(seen_on_disk) == 15
     rows = _read(path)
     assert rows[: len(seen_on_disk)] == seen_on_disk
-    speed = _section(rows, "speed and memory")
-    assert [row["check"] for row in speed] == ["measured before the failure", "section failed"]
-    assert speed[1]["note"] == "rank 0: RuntimeError: injected failure"
-    assert len(_section(rows, "published")) == 3  # the next section still ran
+    failed = _section(rows, "speed bf16 siglip")
+    assert [row["check"] for row in failed] == ["measured before the failure", "section failed"]
+    assert failed[1]["note"] == "rank 0: RuntimeError: injected failure"
+    for other in ("speed bf16 info_nce", "speed fp32 siglip", "speed fp32 info_nce"):  # the next sections still ran
+        assert len(_section(rows, other)) == 8 and all(row["time_ms"] for row in _section(rows, other))
+    assert len(_section(rows, "anchor")) == 3
+
+
+def test_a_method_that_raises_costs_its_own_rows_and_an_allocator_error_reads_as_out_of_memory(
+        monkeypatch: pytest.MonkeyPatch, one_thread: None) -> None:
+    one, report, losses = _module("gpu_check_one"), _module("gpu_check_report"), _module("gpu_check_losses")
+    original, released = one.ours, []
+
+    def ours(loss: str, *, chunk_size: int | None, communication: str = "gather") -> Any:
+        if communication == "gather" and chunk_size == 16:  # as after open_clip filled the memory
+            return lambda x: (_ for _ in ()).throw(RuntimeError(
+                "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+        if communication == "ring":
+            return lambda x: (_ for _ in ()).throw(ValueError("injected"))
+        return original(loss, chunk_size=chunk_size, communication=communication)
+
+    monkeypatch.setattr(one, "ours", ours)
+    monkeypatch.setattr(one, "release", lambda device: released.append(device))
+    rows = list(one.speed(torch.device("cpu"), report.TINY, losses.PRECISIONS["fp32"], "info_nce",
+                          report.Deadline(120.0), 0.02))
+    by_method: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        by_method.setdefault((row["check"], str(row["chunk_size"])), []).append(row)
+    assert [row["note"] for row in by_method[("info_nce: ours gather", "16")]] == [
+        "out of memory (larger batches not tried)"]
+    assert [row["note"] for row in by_method[("info_nce: ours ring", "8")]] == [
+        "failed: ValueError: injected (larger batches not tried)"]
+    for method in (("info_nce: open_clip", "None"), ("info_nce: ours gather", "8")):  # unaffected: every batch
+        assert [row["batch"] for row in by_method[method]] == [32, 64] and all(
+            row["time_ms"] > 0 for row in by_method[method])
+    assert len(released) >= 4  # after each method (and each failure): the next starts from an empty cache
+
+
+@pytest.mark.parametrize(("error", "allocator"), [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 GiB"), True),
+    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
+    (RuntimeError("CUDA error: out of memory"), True),
+    (RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), True),
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), False),
+    (ValueError("out of memory"), False),
+])
+def test_allocator_errors_read_as_out_of_memory(error: BaseException, allocator: bool) -> None:
+    assert _module("gpu_check_report").out_of_memory(error) is allocator
+
+
+def test_per_rank_memory_is_normalised_to_two_ranks_where_the_ring_buffers_exist() -> None:
+    over_two_ranks = _module("gpu_check_many_speed").over_two_ranks
+    # One rank has no ring buffers: against its peak a flat ring would read as 4× growth.
+    assert over_two_ranks({1: 10.0, 2: 40.0, 4: 40.0, 8: 42.0}) == {1: 0.25, 2: 1.0, 4: 1.0, 8: 1.05}
+    assert over_two_ranks({1: 10.0}) == {1: 1.0}
+    assert over_two_ranks({1: float("nan"), 2: float("nan")}) == {1: None, 2: None}
+    assert over_two_ranks({1: 10.0, 2: None}) == {1: None, 2: None}
 
 
 def test_past_the_time_budget_every_measurement_is_skipped_with_a_row_saying_so() -> None:
-    report = _module("gpu_check_report")
-    rows = list(_module("gpu_check_one").speed(torch.device("cpu"), report.TINY, report.Deadline(0.0), 0.02))
-    assert len(rows) == 24 and all(row["note"] == "skipped: past the time budget (--time-budget)" for row in rows)
+    report, losses = _module("gpu_check_report"), _module("gpu_check_losses")
+    rows = list(_module("gpu_check_one").speed(torch.device("cpu"), report.TINY, losses.PRECISIONS["fp32"],
+                                               "info_nce", report.Deadline(0.0), 0.02))
+    assert len(rows) == 8 and all(row["note"] == "skipped: past the time budget (--time-budget)" for row in rows)
 
 
 def ranks_on_cpu(rank: int, world_size: int, csv_path: str) -> list[dict[str, Any]]:
@@ -139,7 +226,7 @@ def ranks_on_cpu(rank: int, world_size: int, csv_path: str) -> list[dict[str, An
     many_speed.gather_speed = failing_on_rank_1
     try:  # the pool's processes serve other tests afterwards: put the original back
         return gpu_check.run_ranks(rank, world_size, torch.device("cpu"), _module("gpu_check_report").TINY,
-                                   csv_path, 120.0, 0.02)
+                                   csv_path, 3600.0, 0.02)  # no budget skips, however loaded the machine
     finally:
         many_speed.gather_speed = original
 
@@ -172,6 +259,7 @@ def test_multi_rank_sections_on_3_gloo_processes(pool: Any, tmp_path: Path) -> N
     memory = _section(rows, "per-rank memory")
     assert [(row["check"].split(",")[0], row["ranks"]) for row in memory] == [
         (f"info_nce: ours {mode}", str(ranks)) for mode in ("gather", "ring") for ranks in (1, 2, 3)]
+    assert all(row["ratio"] == "" for row in memory)  # no memory counters on CPU: no ratio rather than NaN
     sweep = _section(rows, "gather vs ring sweep")
     measured = [row for row in sweep if "published" not in row["check"]]
     assert [(row["check"], row["batch"]) for row in measured] == [
@@ -201,3 +289,63 @@ def test_all_gpu_command_entry_on_2_gloo_processes_under_torchrun_without_open_c
         "gather vs ring sweep")}
     assert [row for row in rows if "sweep" in row["section"]][0]["note"] == "skipped: needs 3 ranks or more"
     assert result.stdout.count("written to two.csv") == 1  # rank 0 alone reports
+
+
+WHEELS = ROOT / ".whl"  # git-ignored: filled by `bash benchmarks/gpu_day.sh --fetch-wheels`, never committed
+
+
+def _bare_environment(**extra: str) -> dict[str, str]:
+    """A process environment as on a bare machine: no PYTHONPATH, no GPU, and nothing about this checkout."""
+    environment = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "OUT")}
+    return {**environment, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable, **extra}
+
+
+@pytest.fixture(scope="module")
+def gpu_day(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``bash benchmarks/gpu_day.sh`` run once from elsewhere, as on a machine without CUDA (the wheels if any)."""
+    where = tmp_path_factory.mktemp("gpu_day")
+    wheels = WHEELS if any(WHEELS.glob("*.whl")) else where / "no_wheels"
+    result = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_day.sh")], cwd=where, capture_output=True,
+                            text=True, timeout=600,
+                            env=_bare_environment(OUT=str(where / "out"), GPU_DAY_WHEELS=str(wheels)))
+    return result, where / "out"
+
+
+def test_gpu_day_without_cuda_runs_to_its_end_on_the_checkout_itself_and_exits_0(
+        gpu_day: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    result, out = gpu_day
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert "gpu_day: no CUDA device on this machine" in result.stdout
+    assert lines[-1].startswith("== gpu_day: done in ") and "(no CUDA: nothing measured)" in lines[-1]
+    # The package comes from this checkout (PYTHONPATH set by the script), not from an install.
+    assert f"import contrastive_dist: ok 0.1.0 ({ROOT / 'contrastive_dist' / '__init__.py'})" in lines
+    for fact in ("torch ", "TF32: matmul", "CONTRASTIVE_DIST_PRODUCTS=", "NVIDIA_TF32_OVERRIDE=",
+                 "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=", "product route on cpu: bf16 bfloat16 upcast"):
+        assert fact in result.stdout, fact
+    assert sorted(os.listdir(out)) == ["gpu_day.log", "machine.txt"]
+    assert (out / "gpu_day.log").read_text() == result.stdout  # everything is in the log that comes back
+
+
+def test_gpu_day_installs_the_wheels_into_a_temporary_target_and_imports_them(
+        gpu_day: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    if not any(WHEELS.glob("*.whl")):
+        pytest.skip(f"no wheels in {WHEELS}: `bash benchmarks/gpu_day.sh --fetch-wheels` fills it")
+    result, _ = gpu_day
+    site = re.search(r"^wheels: installed into (\S+): ", result.stdout, re.MULTILINE)
+    assert site is not None, result.stdout
+    assert re.search(rf"^import open_clip: ok \S+ \({re.escape(site[1])}/open_clip/__init__.py\)$", result.stdout,
+                     re.MULTILINE), result.stdout
+    assert re.search(r"^import open_clip.loss: ok", result.stdout, re.MULTILINE)
+    # siglip-kernel asks the driver for the GPU when imported: without CUDA it is found in the target and raises.
+    kernel = re.search(r"^import siglip_kernel: (.*)$", result.stdout, re.MULTILINE)
+    assert kernel is not None and (kernel[1].startswith("ok") or kernel[1].startswith(
+        f"FAILED (installed at {site[1]}/siglip_kernel/__init__.py) RuntimeError")), kernel
+    assert not Path(site[1]).exists()  # the temporary target is removed at the end
+
+
+def test_gpu_check_help_on_a_bare_checkout(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--help"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120, env=_bare_environment())
+    assert result.returncode == 0 and result.stdout.startswith("usage: gpu_check.py"), result.stderr
+    assert "--out OUT" in result.stdout and "$OUT" in result.stdout

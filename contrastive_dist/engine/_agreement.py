@@ -16,6 +16,10 @@ either returns the same :class:`Layout` or raises the same ``ValueError``/``Type
 names the rank at fault and lists every rank's inputs and options (fetched by a second exchange,
 on that error path only). The caller's transport consumes the layout without exchanging again.
 
+On an accelerator the exchange costs one host sync, the read of the table: this rank's row leaves
+pinned host memory without waiting, and the parts only the device holds (the total, a flag computed
+from device data) are written into it on the device.
+
 Without a process group (or with one rank) nothing is exchanged and a problem is raised as it is.
 Under ``torch.compile`` nothing is exchanged either (the exchange is data-dependent): ``sizes=``
 must be given and is trusted, and a total is all-reduced with a traceable collective.
@@ -164,8 +168,14 @@ def _device(tensors: Sequence[object], group: ProcessGroup | None) -> torch.devi
     return torch.device("cpu")
 
 
-def _float_bits(value: float) -> int:
-    return cast(int, struct.unpack("<q", struct.pack("<d", value))[0])
+def _local_row(local: Sequence[int], device: torch.device) -> Tensor:
+    """The local row of the table on ``device``; on an accelerator from pinned memory, without waiting."""
+    row = torch.tensor([local], dtype=torch.int64)
+    if device.type == "cpu":
+        return row
+    pinned = torch.empty(row.shape, dtype=torch.int64, pin_memory=True)
+    pinned.copy_(row)
+    return pinned.to(device, non_blocking=True)
 
 
 def _bits_float(bits: int) -> float:
@@ -183,7 +193,7 @@ def agree(
     sizes: Sequence[int] | None = None,
     extra: int = 0,
     total: Tensor | None = None,
-    flags: int = 0,
+    flags: int | Tensor = 0,
     rows: int | None = None,
     compare_inputs: bool = True,
 ) -> Layout:
@@ -199,7 +209,8 @@ def agree(
         sizes: the caller's ``sizes=``, checked to be the same on every rank and equal to the rows.
         extra: this rank's second count (e.g. its own negatives).
         total: a 0-d tensor to sum over the ranks (e.g. a weight total), or ``None``.
-        flags: bits this rank tells every rank (see :meth:`Layout.every_rank_has`).
+        flags: bits this rank tells every rank (see :meth:`Layout.every_rank_has`); a 0-d int64
+            tensor for bits computed on the device (read there only with one rank).
         rows: this rank's row count, when not that of ``tensors[0]`` along ``dim``.
         compare_inputs: whether the tensors' dtypes, trailing shapes and gradient tracking must
             match across ranks (``False``: inputs that may legitimately differ, such as token
@@ -212,22 +223,25 @@ def agree(
         rows = cast(Tensor, tensors[0]).shape[dim] if problem is None else 0
     if world_size == 1 or torch.compiler.is_compiling():
         layout = _agree_locally(problem, operation, rows, extra, sizes, total, group, world_size, rank)
-        return layout._replace(flags=(flags,)) if world_size == 1 else layout
+        return layout._replace(flags=(int(flags),)) if world_size == 1 else layout
     local = [
         _PROBLEM if problem is not None else _OK,
         rows,
         extra,
-        flags,
+        flags if isinstance(flags, int) else 0,
         signature(cast(Sequence[Tensor], tensors), dim) if problem is None and compare_inputs else 0,
         _digest(sorted((options or {}).items())),
         _NO_SIZES if sizes is None else _digest(tuple(sizes)),
-        _float_bits(float(total)) if total is not None else 0,
+        0,  # the total's bits, written on the device below
     ]
     table = torch.empty((world_size, _FIELDS), dtype=torch.int64, device=_device(tensors, group))
-    all_gather_single(
-        table, torch.tensor([local], dtype=torch.int64, device=table.device), group=group, operation="agreement"
-    )
-    everyone = table.tolist()
+    mine = _local_row(local, table.device)
+    if total is not None:  # its float64 bits, without reading it on the host
+        mine[0, _TOTAL] = total.detach().to(device=table.device, dtype=torch.float64).reshape(()).view(torch.int64)
+    if isinstance(flags, Tensor):
+        mine[0, _FLAGS] = flags.to(device=table.device, dtype=torch.int64).reshape(())
+    all_gather_single(table, mine, group=group, operation="agreement")
+    everyone = table.tolist()  # the exchange's one host sync
     agreed_sizes = tuple(int(row[_ROWS]) for row in everyone)
     # Every rank decides alike: the same table everywhere, and equal digests mean equal given sizes.
     given_sizes = {row[_SIZES] for row in everyone}
@@ -244,7 +258,7 @@ def agree(
     agreed_total = None
     if total is not None:
         summed = sum(_bits_float(int(row[_TOTAL])) for row in everyone)
-        agreed_total = torch.tensor(summed, dtype=total.dtype, device=total.device)
+        agreed_total = torch.full((), summed, dtype=total.dtype, device=total.device)
     extra_sizes = tuple(int(row[_EXTRA]) for row in everyone)
     agreed_flags = tuple(int(row[_FLAGS]) for row in everyone)
     return Layout(rank, world_size, agreed_sizes, extra_sizes, agreed_total, group, agreed_flags)

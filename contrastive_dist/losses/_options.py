@@ -126,13 +126,23 @@ def scalar_tensor(name: str, value: object, like: Tensor) -> Tensor:
         return value.reshape(()).to(dtype=dtype, device=like.device)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a scalar tensor or a real number, got {type(value).__name__}")
-    return torch.tensor(float(value), dtype=dtype, device=like.device)
+    return _filled(float(value), like)
+
+
+def _filled(value: float, like: Tensor) -> Tensor:
+    """A number the host holds as a 0-d tensor on ``like``'s device: filled there, not copied (no host sync).
+
+    Under ``torch.compile`` the number is a constant of the graph, as before: no copy happens there either.
+    """
+    if torch.compiler.is_compiling():
+        return torch.tensor(value, dtype=compute_dtype(like.dtype), device=like.device)
+    return torch.full((), value, dtype=compute_dtype(like.dtype), device=like.device)
 
 
 def positive_scalar(name: str, value: object, like: Tensor) -> Tensor:
-    """:func:`scalar_tensor`, and > 0 when given as a number (a tensor is not synced to check it)."""
+    """:func:`scalar_tensor`, and > 0 when given as a number (checked on the host; a tensor is not synced)."""
     scale = scalar_tensor(name, value, like)
-    if not isinstance(value, Tensor) and not float(scale) > 0:
+    if not isinstance(value, Tensor) and not float(cast(float, value)) > 0:
         raise ValueError(f"{name} must be > 0 (it multiplies the similarities), got {value}")
     return scale
 
@@ -140,7 +150,7 @@ def positive_scalar(name: str, value: object, like: Tensor) -> Tensor:
 def resolve_scale(logit_scale: object, temperature: float, like: Tensor) -> Tensor:
     """Return the similarity multiplier: ``logit_scale`` if given (already exponentiated), else ``1/temperature``."""
     if logit_scale is None:
-        return torch.tensor(1.0 / temperature, dtype=compute_dtype(like.dtype), device=like.device)
+        return _filled(1.0 / temperature, like)
     return positive_scalar("logit_scale", logit_scale, like)
 
 

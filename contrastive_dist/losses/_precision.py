@@ -15,6 +15,9 @@ accumulators would overflow (fp16) or drift by percents over many blocks (bf16).
   rounded to the features' dtype before its two products, as flash attention rounds its
   probabilities: the gradients handed back to bf16/fp16 features carry that dtype's precision anyway.
 * bf16 / fp16 features on CPU: upcast to float32 first (CPU matmuls have no fast half path).
+* torch before 2.8 has no ``torch.mm(..., out_dtype=)``: there every product upcasts its two
+  operands first (the same numbers, without the tensor-core speed). :func:`product_route` says
+  which route a call takes.
 
 ``CONTRASTIVE_DIST_PRODUCTS`` chooses for any device: ``auto`` (the default, as above), ``full``
 (always upcast first) or ``half`` (always keep half features; on CPU each product then upcasts its
@@ -32,13 +35,14 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "add_product_",
     "PRODUCTS_VARIABLE",
     "compute_dtype",
     "full_precision",
     "half_products",
     "operands",
-    "add_product_",
     "product",
+    "product_route",
     "upcast",
 ]
 
@@ -46,6 +50,11 @@ PRODUCTS_VARIABLE = "CONTRASTIVE_DIST_PRODUCTS"
 """Environment variable: ``auto`` / unset, ``full`` or ``half``; see the module docstring."""
 _CHOICES = ("auto", "full", "half")
 _HALF = (torch.bfloat16, torch.float16)
+
+
+def _out_dtype_products(device: torch.device) -> bool:
+    """Whether ``torch.mm(..., out_dtype=)`` runs on ``device``: torch ≥ 2.8 has it, for CUDA and Meta only."""
+    return device.type in ("cuda", "meta") and "dtype" in torch.ops.aten.mm.overloads()
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -89,8 +98,9 @@ def operands(tensor: Tensor) -> Tensor:
 def product(first: Tensor, second: Tensor) -> Tensor:
     """``first @ second`` in the core's dtype; operands of one half dtype are multiplied as they are.
 
-    On CUDA two bf16/fp16 operands take the tensor cores with a float32 result; elsewhere, or when
-    the dtypes differ, both are upcast first.
+    On CUDA two bf16/fp16 operands take the tensor cores with a float32 result (on the meta device
+    the same overload, for counting); elsewhere, on a torch without that overload, or when the
+    dtypes differ, both are upcast first.
 
     Shape:
         first: ``(a, k)``; second: ``(k, b)``; output: ``(a, b)``, float32 (float64 for float64 operands).
@@ -101,9 +111,32 @@ def product(first: Tensor, second: Tensor) -> Tensor:
         >>> product(a, b).dtype, torch.equal(product(a, b), a.float() @ b.float())
         (torch.float32, True)
     """
-    if first.dtype == second.dtype and first.dtype in _HALF and first.is_cuda:
+    if first.dtype == second.dtype and first.dtype in _HALF and _out_dtype_products(first.device):
         return torch.mm(first, second, out_dtype=torch.float32)
     return upcast(first) @ upcast(second)
+
+
+def product_route(dtype: torch.dtype, device: torch.device) -> str:
+    """How products of features of ``dtype`` on ``device`` are computed, as :func:`operands` and :func:`product` do.
+
+    Reads ``CONTRASTIVE_DIST_PRODUCTS`` and what the installed torch offers, so a benchmark row
+    can say what it measured.
+
+    Example:
+        >>> import torch
+        >>> product_route(torch.bfloat16, torch.device("cpu"))
+        'bfloat16 upcast to float32 before the products'
+        >>> product_route(torch.float32, torch.device("cpu"))
+        'float32 products'
+    """
+    name = str(dtype).removeprefix("torch.")
+    if dtype not in _HALF:
+        return f"{name} products"
+    if not half_products(dtype, device):
+        return f"{name} upcast to float32 before the products"
+    if _out_dtype_products(device):
+        return f"{name} operands, float32 results (mm out_dtype, tensor cores)"
+    return f"{name} operands, each product upcasts them (no mm out_dtype on this device or torch)"
 
 
 def add_product_(out: Tensor, first: Tensor, second: Tensor) -> Tensor:
@@ -121,6 +154,6 @@ def add_product_(out: Tensor, first: Tensor, second: Tensor) -> Tensor:
         >>> torch.equal(add_product_(out.clone(), a, b), out + a.float() @ b.float())
         True
     """
-    if first.dtype == second.dtype and first.dtype in _HALF and first.is_cuda:
+    if first.dtype == second.dtype and first.dtype in _HALF and _out_dtype_products(first.device):
         return torch.addmm(out, first, second, out_dtype=out.dtype, out=out)
     return out.addmm_(upcast(first), upcast(second))

@@ -36,14 +36,21 @@ SMALL_KEYS = 1
 """Agreement flag: this rank's keys are integers that the core's float dtype holds exactly."""
 
 
-def small_keys_flag(keys: Tensor | None, dtype: torch.dtype) -> int:
-    """:data:`SMALL_KEYS` when every key is an integer ``dtype`` holds exactly (``|k| ≤ 2**24`` in float32)."""
+def small_keys_flag(keys: Tensor | None, dtype: torch.dtype) -> int | Tensor:
+    """:data:`SMALL_KEYS` when every key is an integer ``dtype`` holds exactly (``|k| ≤ 2**24`` in float32).
+
+    For keys on an accelerator the flag is a 0-d int64 tensor there: the agreement carries it in its
+    one exchange, so deciding it costs no host sync of its own.
+    """
     if torch.compiler.is_compiling():
         return 0  # nothing is exchanged under torch.compile: the keys stay integers, decided alike everywhere
     if keys is None or keys.numel() == 0:
         return SMALL_KEYS
     limit = 2 ** (53 if dtype == torch.float64 else 24)
-    return SMALL_KEYS if bool(((keys >= -limit) & (keys <= limit)).all()) else 0
+    small = ((keys >= -limit) & (keys <= limit)).all()
+    if keys.device.type != "cpu":
+        return small.to(torch.int64) * SMALL_KEYS
+    return SMALL_KEYS if bool(small) else 0
 
 
 def comparable_keys(keys: Tensor, dtype: torch.dtype, every_rank_small: bool) -> Tensor:

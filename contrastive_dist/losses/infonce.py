@@ -181,7 +181,7 @@ def info_nce(
     checked, problem = collect(arguments)
     own_negatives = checked.negatives if checked is not None and isinstance(checked.negatives, Tensor) else None
     optional = tuple(tensor for tensor in (own_negatives, ids, negative_ids) if isinstance(tensor, Tensor))
-    small_keys = 0
+    small_keys: int | Tensor = 0
     if checked is not None:
         dtype = compute_dtype(checked.images.dtype)
         small_keys = small_keys_flag(checked.ids, dtype) & small_keys_flag(checked.negative_ids, dtype)
