@@ -73,7 +73,7 @@ def ranking_loss(columns: Sequence[Tensor], options: RankingOptions, group: Proc
         raise ValueError(f"expected at least 2 columns (anchors, positives), got {len(columns)}")
     gathered = all_gather_many(list(columns), group=group)
     queries, *docs = gathered.tensors
-    total, start, rows = queries.shape[0], gathered.offset, gathered.local_size
+    total, start, rows = queries.shape[0], gathered.offset, gathered.sizes[gathered.rank]
     own = torch.arange(start, start + rows, device=queries.device)
     local = torch.arange(rows, device=queries.device)
     docs_all = torch.cat(docs)

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 
+from contrastive_dist.compat._groups import loss_group
 from contrastive_dist.engine.gather import all_gather
 from contrastive_dist.losses import SharedNegatives, info_nce, nt_xent
 from contrastive_dist.queue import DistributedMemoryQueue
@@ -90,8 +90,6 @@ class NTXentLoss(nn.Module):
         self.temperature, self.gather_distributed = float(temperature), gather_distributed
         shape = _bank_shape(memory_bank_size)
         self.memory_bank: DistributedMemoryQueue | None = None
-        self._group: ProcessGroup | None = None
-        self._group_ready = False
         self._bank_shared = False
         if shape is not None:
             self.memory_bank = DistributedMemoryQueue(*shape)
@@ -99,17 +97,9 @@ class NTXentLoss(nn.Module):
             # Newest first, so that the first keys pushed replace lightly's first rows.
             self.memory_bank.load_state_dict({"memory": initial.flip(0), "count": torch.tensor(shape[0])})
 
-    def _process_group(self) -> ProcessGroup | None:
-        """The world with ``gather_distributed``, else a group of this rank alone (made once, on every rank)."""
-        if not self._group_ready:
-            if not self.gather_distributed and dist.is_available() and dist.is_initialized():
-                self._group, _ = dist.new_subgroups(group_size=1)
-            self._group_ready = True
-        return self._group
-
     def forward(self, out0: Tensor, out1: Tensor) -> Tensor:
         """The loss of this rank's pairs against every rank's (or this rank's, see the class docstring)."""
-        group = self._process_group()
+        group = loss_group(self.gather_distributed)
         out0, out1 = F.normalize(out0, dim=1), F.normalize(out1, dim=1)
         bank = self.memory_bank
         if bank is None:
