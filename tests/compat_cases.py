@@ -63,7 +63,7 @@ def make(kind: str, which: str, options: dict[str, Any], data: dict[str, Tensor]
         if kind == "ntxent":
             from lightly.loss import NTXentLoss
             return NTXentLoss(**options)
-        from sentence_transformers import losses as st_losses
+        from sentence_transformers.sentence_transformer import losses as st_losses
         cls = st_losses.MultipleNegativesRankingLoss if kind == "mnrl" else st_losses.CachedMultipleNegativesRankingLoss
         return cls(ColumnEncoder(data["w0"]), **options)
     if kind in ("clip", "siglip"):

@@ -21,8 +21,9 @@ from contrastive_dist.compat.sentence_transformers import (
 )
 
 DTYPES = (torch.float32, torch.float64)
-CLIP = [dict(local_loss=a, gather_with_grad=b, cache_labels=c) for a, b, c in itertools.product((False, True), repeat=3)]
-SIGLIP = [dict(dist_impl=d, cache_labels=c) for d in (None, "bidir", "shift", "reduce", "gather") for c in (False, True)]
+FLAGS = (False, True)
+CLIP = [dict(local_loss=a, gather_with_grad=b, cache_labels=c) for a, b, c in itertools.product(FLAGS, repeat=3)]
+SIGLIP = [dict(dist_impl=d, cache_labels=c) for d in (None, "bidir", "shift", "reduce", "gather") for c in FLAGS]
 NTXENT = [dict(temperature=t, memory_bank_size=m, gather_distributed=g)
           for t in (0.1, 0.5) for m in (0, (16, WIDTH)) for g in (False, True)]
 DIRECTIONS = [("query_to_doc",), ("query_to_doc", "doc_to_query"), ("query_to_doc", "query_to_query"),
