@@ -320,8 +320,8 @@ def _raise_everywhere(
                     "Inputs per rank:")
     elif mismatch["options"] and len({entry["operation"] for entry in gathered}) > 1:
         lines = [f"  rank {rank}: {entry['operation']}" for rank, entry in enumerate(gathered)]
-        headline = (f"{operation}: the ranks reached this exchange from different operations; every rank must make "
-                    "the same calls in the same order (a rank with no rows too):")
+        headline = ("the ranks reached one exchange from different operations; every rank must make the same calls "
+                    "in the same order (a rank with no rows too):")
     elif mismatch["options"]:
         differing = sorted({key for entry in gathered for key in entry["options"]
                             if len({repr(other["options"].get(key)) for other in gathered}) > 1})

@@ -35,7 +35,7 @@ from contrastive_dist.nn._grad_cache_inputs import Inputs
 
 __all__ = ["CachePlan", "GradCacheFunction", "as_outputs"]
 
-_REENTRANT = "Checkpointing is not compatible with .grad()"
+_REENTRANT = ("Checkpointing is not compatible with .grad()", "checkpoint is incompatible with .grad()")
 
 
 @dataclass
@@ -229,7 +229,7 @@ def _grads(
     try:
         return torch.autograd.grad(outputs, targets, grad_outputs, allow_unused=True)
     except RuntimeError as error:
-        if _REENTRANT not in str(error):
+        if not any(text in str(error) for text in _REENTRANT):  # the message of torch < 2.14 and of 2.14
             raise
         raise RuntimeError(
             "grad_cache: the module uses reentrant checkpointing (torch.utils.checkpoint(..., use_reentrant=True)), "
