@@ -98,7 +98,7 @@ def ranking_loss(columns: Sequence[Tensor], options: RankingOptions, group: Proc
     if options.partition_mode == "joint":
         log_z = torch.logsumexp(torch.cat(list(scores.values()), dim=1), dim=1)
     else:
-        log_z = sum(torch.logsumexp(value, dim=1) for value in scores.values()) / len(scores)
+        log_z = torch.stack([torch.logsumexp(value, dim=1) for value in scores.values()]).mean(0)
     world = len(gathered.sizes)
     # Σ over this rank's rows of (W / N): mean over ranks = the global mean (0, still connected, when N = 0).
     return (log_z - positive).sum() * (world / max(total, 1))

@@ -34,6 +34,12 @@ def cos_sim(a: Tensor, b: Tensor) -> Tensor:
 
     Shape:
         a: ``(n, D)``; b: ``(m, D)``; output: ``(n, m)``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_dist.compat.sentence_transformers import cos_sim
+        >>> cos_sim(torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0, 0.0], [0.0, 3.0]]))
+        tensor([[1., 0.]])
     """
     return F.normalize(a, p=2, dim=1) @ F.normalize(b, p=2, dim=1).T
 
@@ -43,6 +49,12 @@ def dot_score(a: Tensor, b: Tensor) -> Tensor:
 
     Shape:
         a: ``(n, D)``; b: ``(m, D)``; output: ``(n, m)``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_dist.compat.sentence_transformers import dot_score
+        >>> dot_score(torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 4.0]]))
+        tensor([[11.]])
     """
     return a @ b.T
 

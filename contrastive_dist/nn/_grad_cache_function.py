@@ -244,7 +244,7 @@ def _warn_unregistered(outputs: Sequence[Tensor], targets: Sequence[Tensor]) -> 
     known = {id(target) for target in targets}
     seen: set[int] = set()
     missed: list[tuple[int, ...]] = []
-    stack = [out.grad_fn for out in outputs if out.grad_fn is not None]
+    stack: list[Any] = [out.grad_fn for out in outputs if out.grad_fn is not None]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
