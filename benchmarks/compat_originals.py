@@ -13,6 +13,7 @@ Run::
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -106,9 +107,8 @@ def _on_ranks(rank: int, world_size: int, name: str, which: str, layout: tuple[i
     return float(total) / world_size, grads
 
 
-def measure(pool_timeout: float = 30.0) -> list[dict[str, Any]]:
+def measure(pool_timeout: float = 30.0) -> Iterator[dict[str, Any]]:
     """One row per (loss, layout, original or drop-in): the relative errors, or what went wrong."""
-    rows = []
     pool = WorkerPool(WORLD_SIZE, timeout=pool_timeout)
     try:
         for name in LOSSES:
@@ -124,7 +124,7 @@ def measure(pool_timeout: float = 30.0) -> list[dict[str, Any]]:
                                            return_exceptions=True)
                     except Exception as error:  # a hang or a dead worker: the pool's own error
                         row["outcome"] = f"{type(error).__name__}: {str(error).splitlines()[0][:140]}"
-                        rows.append(row)
+                        yield row
                         continue
                     errors = [result for result in outcome if isinstance(result, BaseException)]
                     if errors:
@@ -134,16 +134,15 @@ def measure(pool_timeout: float = 30.0) -> list[dict[str, Any]]:
                         row["value_error"] = abs(value - float(reference)) / abs(float(reference))
                         row["grad_error"] = max(float((g - r).abs().max() / r.abs().max())
                                                 for g, r in zip(grads, reference_grads))
-                    rows.append(row)
+                    yield row
     finally:
         pool.close()
-    return rows
 
 
 def main() -> None:
     for row in measure():
         result = row.get("outcome") or f"value {row['value_error']:.2e}  grad {row['grad_error']:.2e}"
-        print(f"{row['loss']:58s} {str(row['layout']):10s} {row['which']:8s} {result}")
+        print(f"{row['loss']:58s} {str(row['layout']):10s} {row['which']:8s} {result}", flush=True)
 
 
 if __name__ == "__main__":

@@ -154,11 +154,16 @@ class CachedMultipleNegativesRankingLoss(nn.Module):
 
     Args:
         model: the encoder, as for :class:`MultipleNegativesRankingLoss`.
-        scale, similarity_fct, gather_across_devices, directions, partition_mode, hardness_mode,
-            hardness_strength: as for :class:`MultipleNegativesRankingLoss`.
+        scale: as for :class:`MultipleNegativesRankingLoss`.
+        similarity_fct: as for :class:`MultipleNegativesRankingLoss`.
         mini_batch_size: rows encoded at a time.
         mini_batch_num_tokens: must be ``None``.
+        gather_across_devices: as for :class:`MultipleNegativesRankingLoss`.
+        directions: as for :class:`MultipleNegativesRankingLoss`.
+        partition_mode: as for :class:`MultipleNegativesRankingLoss`.
         show_progress_bar: accepted, unused.
+        hardness_mode: as for :class:`MultipleNegativesRankingLoss`.
+        hardness_strength: as for :class:`MultipleNegativesRankingLoss`.
 
     Shape:
         each column's ``"sentence_embedding"``: ``(n_r, D)``; output: ``()``.
