@@ -18,6 +18,7 @@ import pytest
 from doc_blocks import DOCS, ROOT, python_blocks
 
 import contrastive_dist
+import contrastive_dist.compat
 import contrastive_dist.testing
 
 API = DOCS / "api"
@@ -28,9 +29,11 @@ EXAMPLE_ON_THE_PAGE = {"contrastive_dist.testing.run_distributed", "contrastive_
 
 def public_names() -> list[str]:
     lightning = importlib.import_module("contrastive_dist.lightning")
+    compat = [getattr(contrastive_dist.compat, module) for module in contrastive_dist.compat.__all__]
     return ([f"contrastive_dist.{name}" for name in contrastive_dist.__all__]
             + [f"contrastive_dist.lightning.{name}" for name in lightning.__all__]
-            + [f"contrastive_dist.testing.{name}" for name in contrastive_dist.testing.__all__])
+            + [f"contrastive_dist.testing.{name}" for name in contrastive_dist.testing.__all__]
+            + [f"{module.__name__}.{name}" for module in compat for name in module.__all__])
 
 
 def heading_id(name: str) -> str:

@@ -230,7 +230,9 @@ def agree(
         extra,
         flags if isinstance(flags, int) else 0,
         signature(cast(Sequence[Tensor], tensors), dim) if problem is None and compare_inputs else 0,
-        _digest(sorted((options or {}).items())),
+        # The operation is part of the digest: a rank that calls another operation here (an empty rank
+        # that skipped a call) is named as such, not as one with different options.
+        _digest((operation, sorted((options or {}).items()))),
         _NO_SIZES if sizes is None else _digest(tuple(sizes)),
         0,  # the total's bits, written on the device below
     ]
@@ -315,6 +317,7 @@ def _raise_everywhere(
         "kind": problem[0].__name__ if problem else "",
         "text": problem[1] if problem else described,
         "options": dict(options or {}),
+        "operation": operation,
     }
     gathered: list[Any] = [None] * world_size
     with naming_peers("agreement (exchange of the error descriptions)", group):
@@ -329,6 +332,10 @@ def _raise_everywhere(
         kind = {"TypeError": TypeError, "RuntimeError": RuntimeError}.get(first["kind"], ValueError)
         headline = (f"{operation}: {first['text']} (on rank {failing[0]}; raised on every rank of the group). "
                     "Inputs per rank:")
+    elif mismatch["options"] and len({entry["operation"] for entry in gathered}) > 1:
+        lines = [f"  rank {rank}: {entry['operation']}" for rank, entry in enumerate(gathered)]
+        headline = ("the ranks reached one exchange from different operations; every rank must make the same calls "
+                    "in the same order (a rank with no rows too):")
     elif mismatch["options"]:
         differing = sorted({key for entry in gathered for key in entry["options"]
                             if len({repr(other["options"].get(key)) for other in gathered}) > 1})

@@ -20,7 +20,8 @@ but leaves its buffers alone.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -30,8 +31,11 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from contrastive_dist._validation import Problem
+from contrastive_dist.nn._grad_cache_inputs import Inputs
 
 __all__ = ["CachePlan", "GradCacheFunction", "as_outputs"]
+
+_REENTRANT = ("Checkpointing is not compatible with .grad()", "checkpoint is incompatible with .grad()")
 
 
 @dataclass
@@ -45,12 +49,13 @@ class CachePlan:
     """
 
     encoder: Callable[..., Any]
+    inputs: Inputs
     batch_norms: list[_BatchNorm]
     bounds: list[tuple[int, int]]
     check_outputs: Callable[[object, int], Problem | None]
     settle: Callable[[Problem | None], None]
     exchange: bool
-    single: bool = True
+    kind: tuple[object, ...] = ("tensor",)
     rng_states: list[tuple[Tensor, list[Tensor]]] = field(default_factory=list)
     autocast: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -115,10 +120,19 @@ def _raised(error: Exception, rows: int) -> Problem:
     return kind, f"the module raised {type(error).__name__} on a mini-batch of {rows} rows: {error}"
 
 
-def _unlike_first(outputs: object, single: bool, buffers: Sequence[Tensor]) -> Problem | None:
+def _kind(outputs: object) -> tuple[object, ...]:
+    """What the module returned: a tensor, a tuple of ``n``, or a mapping with these keys."""
+    if isinstance(outputs, Tensor):
+        return ("tensor",)
+    if isinstance(outputs, Mapping):
+        return ("mapping", *outputs.keys())
+    return ("tuple", len(cast(tuple[Tensor, ...], outputs)))
+
+
+def _unlike_first(outputs: object, kind: tuple[object, ...], buffers: Sequence[Tensor]) -> Problem | None:
     """A problem when a mini-batch's outputs differ in kind, number, dtype or trailing shape from the first's."""
     parts = as_outputs(outputs)
-    if isinstance(outputs, Tensor) == single and len(parts) == len(buffers):
+    if _kind(outputs) == kind and len(parts) == len(buffers):
         if all(out.dtype == buf.dtype and out.shape[1:] == buf.shape[1:] for out, buf in zip(parts, buffers)):
             return None
     described = [(str(out.dtype), tuple(out.shape[1:])) for out in parts]
@@ -131,6 +145,8 @@ def _unlike_first(outputs: object, single: bool, buffers: Sequence[Tensor]) -> P
 
 def as_outputs(outputs: object) -> tuple[Tensor, ...]:
     """A module's result as a tuple of tensors (the caller has checked it)."""
+    if isinstance(outputs, Mapping):
+        return tuple(outputs.values())
     return (outputs,) if isinstance(outputs, Tensor) else tuple(cast(tuple[Tensor, ...], outputs))
 
 
@@ -149,7 +165,7 @@ class GradCacheFunction(torch.autograd.Function):
             # A rank with a problem keeps encoding: a collective inside the encoder (SyncBatchNorm)
             # must run as often on every rank. plan.settle raises it on all of them afterwards.
             try:
-                outputs = plan.encoder(*(x[start:stop] for x in inputs))
+                outputs = plan.inputs.call(plan.encoder, plan.inputs.pieces(inputs, start, stop))
             except Exception as error:
                 if not plan.exchange:
                     raise
@@ -159,10 +175,10 @@ class GradCacheFunction(torch.autograd.Function):
                 continue
             problem = problem or plan.check_outputs(outputs, stop - start)
             if problem is None and not buffers:
-                plan.single = isinstance(outputs, Tensor)
+                plan.kind = _kind(outputs)
                 rows = plan.bounds[-1][1]  # padding ranges are empty ranges at the end
                 buffers = [out.new_empty((rows, *out.shape[1:])) for out in as_outputs(outputs)]
-            problem = problem or _unlike_first(outputs, plan.single, buffers)
+            problem = problem or _unlike_first(outputs, plan.kind, buffers)
             if problem is None:
                 for buffer, out in zip(buffers, as_outputs(outputs)):
                     buffer[start:stop] = out
@@ -180,26 +196,70 @@ class GradCacheFunction(torch.autograd.Function):
         wanted_parameters = [p for p, wanted in zip(parameters, wants[count:]) if wanted]
         sums: list[Tensor | None] = [None] * len(wanted_parameters)
         input_grads = [torch.zeros_like(x) if wanted else None for x, wanted in zip(inputs, wants[:count])]
+        warned = False
         with torch.random.fork_rng(devices=ctx.indices, device_type=ctx.kind or "cuda"):
             for (start, stop), state in zip(plan.bounds, plan.rng_states):
                 _set_rng_state(ctx.kind, ctx.indices, state)
-                pieces = [x[start:stop].detach().requires_grad_(wanted) for x, wanted in zip(inputs, wants[:count])]
+                pieces = [x.detach().requires_grad_(wanted)
+                          for x, wanted in zip(plan.inputs.pieces(inputs, start, stop), wants[:count])]
                 with torch.enable_grad(), _replay_autocast(plan.autocast), _running_stats_frozen(plan.batch_norms):
-                    outputs = as_outputs(plan.encoder(*pieces))
+                    outputs = as_outputs(plan.inputs.call(plan.encoder, pieces))
                 tracked = [(out, grad[start:stop]) for out, grad in zip(outputs, grad_outputs) if out.requires_grad]
                 targets = [*wanted_parameters, *(piece for piece in pieces if piece.requires_grad)]
                 if not tracked or not targets:
                     continue
                 # Called on every rank for every mini-batch, empty ones included: a collective in the
                 # encoder's backward (SyncBatchNorm's all-reduce) runs as often everywhere.
-                grads = torch.autograd.grad(
-                    [out for out, _ in tracked], targets, [grad for _, grad in tracked], allow_unused=True
-                )
+                if not warned:
+                    warned = _warn_unregistered([out for out, _ in tracked], targets)
+                grads = _grads([out for out, _ in tracked], targets, [grad for _, grad in tracked])
                 for index, (grad, total) in enumerate(zip(grads[: len(sums)], sums)):
                     if grad is not None:  # out of place: a returned gradient may alias the incoming one
                         sums[index] = grad if total is None else total + grad
                 for input_grad, grad in zip([g for g in input_grads if g is not None], grads[len(sums) :]):
-                    if grad is not None:
-                        input_grad[start:stop] = grad
+                    if grad is not None:  # a trimmed piece fills the leading columns of its rows
+                        input_grad[(slice(start, stop), *(slice(0, size) for size in grad.shape[1:]))] = grad
         summed = iter(sums)
         return (None, None, *input_grads, *(next(summed) if wanted else None for wanted in wants[count:]))
+
+
+def _grads(
+    outputs: Sequence[Tensor], targets: Sequence[Tensor], grad_outputs: Sequence[Tensor]
+) -> tuple[Tensor | None, ...]:
+    try:
+        return torch.autograd.grad(outputs, targets, grad_outputs, allow_unused=True)
+    except RuntimeError as error:
+        if not any(text in str(error) for text in _REENTRANT):  # the message of torch < 2.14 and of 2.14
+            raise
+        raise RuntimeError(
+            "grad_cache: the module uses reentrant checkpointing (torch.utils.checkpoint(..., use_reentrant=True)), "
+            "which cannot run under the torch.autograd.grad that the re-encode needs (it never touches .grad, so "
+            "DDP's hooks fire once). Use use_reentrant=False, the same memory saving, or no checkpointing: "
+            "grad_cache already keeps no activations beyond one mini-batch"
+        ) from error
+
+
+def _warn_unregistered(outputs: Sequence[Tensor], targets: Sequence[Tensor]) -> bool:
+    """Warn (once per backward) about leaves of the re-encode's graph that are not parameters nor inputs."""
+    known = {id(target) for target in targets}
+    seen: set[int] = set()
+    missed: list[tuple[int, ...]] = []
+    stack: list[Any] = [out.grad_fn for out in outputs if out.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, Tensor) and id(variable) not in known:
+            missed.append(tuple(variable.shape))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    if missed:
+        warnings.warn(
+            f"grad_cache: the module uses {len(missed)} tensor(s) that require gradient but are neither its "
+            f"parameters nor inputs (shapes {missed}); they receive no gradient. Register them on the module "
+            "(an nn.Parameter attribute) or pass the module that owns them",
+            UserWarning,
+            stacklevel=2,
+        )
+    return True

@@ -21,28 +21,33 @@ first.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
+import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parameter import is_lazy
 
 from contrastive_dist._dist import is_distributed
 from contrastive_dist._validation import Problem
 from contrastive_dist.engine._agreement import agree
 from contrastive_dist.nn._grad_cache_function import CachePlan, GradCacheFunction, as_outputs
+from contrastive_dist.nn._grad_cache_inputs import flatten_inputs
 
 __all__ = ["grad_cache"]
 
 def grad_cache(
     module: nn.Module | Callable[..., Any],
-    *inputs: Tensor,
+    *inputs: Tensor | Mapping[str, Any],
     mini_batch_size: int,
     sizes: Sequence[int] | None = None,
     group: ProcessGroup | None = None,
-) -> Tensor | tuple[Tensor, ...]:
+    trim_padding: bool = False,
+    **keywords: Any,
+) -> Tensor | tuple[Tensor, ...] | dict[str, Tensor]:
     """``module(*inputs)`` for the whole local batch, encoded ``mini_batch_size`` rows at a time.
 
     The forward keeps no activations: only the outputs (the embeddings) and the inputs. The
@@ -72,19 +77,32 @@ def grad_cache(
             whose parameters that require gradient receive it. Not a ``DistributedDataParallel``
             wrapper: call this inside its forward, on the inner module.
         *inputs: tensors with the same leading (batch) size, split along it (images; or tokens and
-            an attention mask).
+            an attention mask), or mappings of names to such tensors (a sentence-transformers
+            model's ``features``); other values in a mapping are passed to every call as they are.
         mini_batch_size: rows encoded at a time; peak activation memory is that of this many rows.
             The same on every rank.
         sizes: every rank's batch size in rank order, when known: checked against the agreement,
             like the losses' ``sizes=``.
         group: the ranks that encode in step (default: the world).
+        trim_padding: drop, per mini-batch, the columns past the last one its ``attention_mask``
+            keeps, from the tensors beside that mask (in its mapping, or the keywords) that span the
+            sequence, as sentence-transformers does; the module's outputs must not depend on the width.
+        **keywords: keyword inputs of the module (``input_ids=…, attention_mask=…``), split like
+            ``inputs``.
 
     Returns:
-        What ``module`` returns, a tensor or a tuple of tensors, for the whole local batch.
+        What ``module`` returns, a tensor, a tuple of tensors or a dict of tensors (a Hugging Face
+        style output), for the whole local batch.
 
     Raises:
-        TypeError: ``mini_batch_size`` not an int, an input that is not a tensor, a module that is
-            not an ``nn.Module`` (or a method of one) or returns something other than tensors.
+        TypeError: ``mini_batch_size`` not an int, an input that is not a tensor (or a mapping), a
+            module that is not an ``nn.Module`` (or a method of one) or returns something other than tensors.
+        RuntimeError: in backward, when the module uses reentrant checkpointing
+            (``torch.utils.checkpoint(..., use_reentrant=True)``), which ``torch.autograd.grad`` cannot run.
+
+    Warns:
+        UserWarning: in backward, when the module uses a tensor that requires gradient but is not
+            one of its parameters (nor an input): that tensor receives no gradient.
         ValueError: ``mini_batch_size`` < 1 or not the same on every rank, inputs with different
             leading sizes, outputs whose leading size is not the mini-batch's. These are raised on
             every rank of ``group``, and so is an error the module raised on some ranks only (its
@@ -109,30 +127,40 @@ def grad_cache(
         >>> torch.allclose(image_tower.weight.grad, expected, atol=1e-6)
         True
     """
-    problem, owner = _local_problem(module, inputs, mini_batch_size)
-    rows = inputs[0].shape[0] if problem is None else 0
+    flat, input_problem = flatten_inputs(inputs, keywords, trim_padding)
+    tensors = flat.tensors
+    problem, owner = _local_problem(module, tensors, mini_batch_size, input_problem)
+    rows = tensors[0].shape[0] if problem is None else 0
     # Inputs may differ across ranks beyond their rows (tokens padded per rank): only rows are compared.
-    layout = agree(inputs, problem=problem, group=group, operation="grad_cache", sizes=sizes, rows=rows,
+    layout = agree(tensors, problem=problem, group=group, operation="grad_cache", sizes=sizes, rows=rows,
                    options={"mini_batch_size": mini_batch_size}, compare_inputs=False)
     owner = cast(nn.Module, owner)  # every problem, a missing owner included, was raised above
     count = max(1, math.ceil(max(layout.sizes) / mini_batch_size))
     bounds = [(min(k * mini_batch_size, rows), min((k + 1) * mini_batch_size, rows)) for k in range(count)]
+    if any(is_lazy(p) for p in owner.parameters()):
+        # A lazy layer's shape comes from its first call: make it on no rows, before the parameters
+        # are taken as the function's inputs (an uninitialized one has no shape yet).
+        with torch.no_grad():
+            flat.call(module, flat.pieces(tensors, 0, 0))
     parameters = [p for p in owner.parameters() if p.requires_grad]
     exchange = is_distributed(group)
 
     def settle(output_problem: Problem | None) -> None:
-        agree(inputs, problem=output_problem, group=group, operation="grad_cache", rows=0, compare_inputs=False)
+        agree(tensors, problem=output_problem, group=group, operation="grad_cache", rows=0, compare_inputs=False)
 
     plan = CachePlan(
         encoder=module,
+        inputs=flat,
         batch_norms=[layer for layer in owner.modules() if isinstance(layer, _BatchNorm)],
         bounds=bounds,
         check_outputs=_output_problem,
         settle=settle,
         exchange=exchange,
     )
-    outputs = GradCacheFunction.apply(plan, len(inputs), *inputs, *parameters)
-    return outputs[0] if plan.single else tuple(outputs)
+    outputs = GradCacheFunction.apply(plan, len(tensors), *tensors, *parameters)
+    if plan.kind[0] == "mapping":
+        return dict(zip(cast(tuple[str, ...], plan.kind[1:]), outputs))
+    return outputs[0] if plan.kind[0] == "tensor" else tuple(outputs)
 
 
 def _owner(module: object) -> nn.Module | None:
@@ -143,7 +171,9 @@ def _owner(module: object) -> nn.Module | None:
     return owner if callable(module) and isinstance(owner, nn.Module) else None
 
 
-def _local_problem(module: object, inputs: Sequence[object], mini_batch_size: object) -> tuple[Problem | None, Any]:
+def _local_problem(
+    module: object, inputs: Sequence[object], mini_batch_size: object, input_problem: str | None = None
+) -> tuple[Problem | None, Any]:
     owner = _owner(module)
     if isinstance(owner, DistributedDataParallel):
         return (TypeError, "got a DistributedDataParallel wrapper; call grad_cache inside its forward "
@@ -157,6 +187,8 @@ def _local_problem(module: object, inputs: Sequence[object], mini_batch_size: ob
                 f"{type(mini_batch_size).__name__}"), None
     if mini_batch_size < 1:
         return (ValueError, f"mini_batch_size must be a positive int, got {mini_batch_size}"), None
+    if input_problem is not None:
+        return (TypeError, input_problem), None
     if not inputs:
         return (TypeError, "expected at least one input tensor after the module"), None
     not_tensors = [type(x).__name__ for x in inputs if not isinstance(x, Tensor)]
@@ -170,10 +202,12 @@ def _local_problem(module: object, inputs: Sequence[object], mini_batch_size: ob
 
 
 def _output_problem(outputs: object, rows: int) -> Problem | None:
-    """A problem when ``outputs`` is not a tensor or tuple of tensors with ``rows`` leading rows each."""
+    """A problem when ``outputs`` is not a tensor, tuple or dict of tensors with ``rows`` leading rows each."""
     is_tuple = isinstance(outputs, tuple) and len(outputs) > 0 and all(isinstance(x, Tensor) for x in outputs)
-    if not (isinstance(outputs, Tensor) or is_tuple):
-        return TypeError, (f"the module must return a tensor or a tuple of tensors, got "
+    is_mapping = isinstance(outputs, Mapping) and len(outputs) > 0 and all(
+        isinstance(key, str) and isinstance(x, Tensor) for key, x in outputs.items())
+    if not (isinstance(outputs, Tensor) or is_tuple or is_mapping):
+        return TypeError, (f"the module must return a tensor, a tuple of tensors or a dict of tensors, got "
                            f"{type(outputs).__name__}")
     shapes = [tuple(out.shape) for out in as_outputs(outputs)]
     if any(len(shape) == 0 or shape[0] != rows for shape in shapes):

@@ -1,0 +1,90 @@
+"""Each drop-in of ``contrastive_dist.compat`` equals its original on one process, over the original's options.
+
+Values and gradients (encoder weights, ``logit_scale``, ``logit_bias``) within 1e-6 in float32 and
+1e-12 in float64, on the same inputs; the lightly memory bank over four steps (it wraps around).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from compat_cases import WIDTH, loss_and_grads, make, problem, tolerance
+
+from contrastive_dist.compat.lightly import NTXentLoss
+from contrastive_dist.compat.open_clip import ClipLoss, SigLipLoss
+from contrastive_dist.compat.sentence_transformers import (
+    CachedMultipleNegativesRankingLoss,
+    MultipleNegativesRankingLoss,
+)
+
+DTYPES = (torch.float32, torch.float64)
+FLAGS = (False, True)
+CLIP = [dict(local_loss=a, gather_with_grad=b, cache_labels=c) for a, b, c in itertools.product(FLAGS, repeat=3)]
+SIGLIP = [dict(dist_impl=d, cache_labels=c) for d in (None, "bidir", "shift", "reduce", "gather") for c in FLAGS]
+NTXENT = [dict(temperature=t, memory_bank_size=m, gather_distributed=g)
+          for t in (0.1, 0.5) for m in (0, (16, WIDTH)) for g in (False, True)]
+DIRECTIONS = [("query_to_doc",), ("query_to_doc", "doc_to_query"), ("query_to_doc", "query_to_query"),
+              ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")]
+MNRL = [dict(directions=d, partition_mode=p, similarity_fct=s)
+        for d in DIRECTIONS for p in ("joint", "per_direction") for s in ("cos_sim", "dot_score")
+        if not (p == "per_direction" and set(d) & {"query_to_query", "doc_to_doc"})]
+MNRL += [dict(hardness_mode=h, hardness_strength=0.5, gather_across_devices=True)
+         for h in ("in_batch_negatives", "hard_negatives", "all_negatives")]
+CASES = ([("clip", o) for o in CLIP] + [("siglip", o) for o in SIGLIP] + [("ntxent", o) for o in NTXENT]
+         + [("mnrl", o) for o in MNRL] + [("cached_mnrl", {**o, "mini_batch_size": m})
+                                           for o, m in zip(MNRL[::3], itertools.cycle((1, 3, 32)))])
+
+
+def _id(case: tuple[str, dict[str, Any]]) -> str:
+    return case[0] + "-" + "-".join(f"{k}={v}" for k, v in case[1].items())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_value_and_gradients_equal_the_original(case: tuple[str, dict[str, Any]], dtype: torch.dtype) -> None:
+    kind, options = case
+    columns = 3 if kind in ("mnrl", "cached_mnrl") else 2  # anchors, positives, one hard-negative column
+    data = problem(8, dtype, columns=columns)
+    steps = 4 if kind == "ntxent" else 1
+    results = []
+    for which in ("original", "compat"):
+        torch.manual_seed(7)  # lightly draws its initial bank from the global stream; so does the drop-in
+        loss = make(kind, which, options, data).to(dtype)
+        results.append(loss_and_grads(kind, loss, data, 0, 8, steps=steps, output_dict=kind in ("clip", "siglip")))
+    (expected_values, expected_grads), (values, grads) = results
+    for actual, expected in zip(values, expected_values):
+        torch.testing.assert_close(actual, expected, **tolerance(dtype))
+    assert expected_grads.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], expected_grads[name], **tolerance(dtype), msg=name)
+
+
+def test_clip_output_dict_and_bias_are_open_clips() -> None:
+    images, texts = torch.randn(3, 4), torch.randn(3, 4)
+    bias = torch.tensor(2.0, requires_grad=True)
+    out = ClipLoss()(images, texts, 5.0, bias, output_dict=True)
+    assert list(out) == ["contrastive_loss"]
+    out["contrastive_loss"].backward()
+    assert bias.grad is not None and float(bias.grad) == 0.0  # a softmax ignores a constant shift
+
+
+@pytest.mark.parametrize(("make_loss", "message"), [
+    (lambda: ClipLoss(use_horovod=True), "use_horovod=True is not supported"),
+    (lambda: SigLipLoss(dist_impl="ring"), "dist_impl must be one of"),
+    (lambda: NTXentLoss(temperature=0.0), "temperature must be > 0, got 0.0"),
+    (lambda: NTXentLoss(memory_bank_size=16), r"memory_bank_size must be 0 \(no bank\) or a \(num_features, dim\)"),
+    (lambda: NTXentLoss(memory_bank_size=(-1, 4)), "non-negative entries"),
+    (lambda: MultipleNegativesRankingLoss(torch.nn.Identity(), scale=0.0), "scale must be > 0"),
+    (lambda: MultipleNegativesRankingLoss(torch.nn.Identity(), directions=("doc_to_query",)), "'query_to_doc'"),
+    (lambda: MultipleNegativesRankingLoss(torch.nn.Identity(), directions=("query_to_doc", "doc_to_doc"),
+                                          partition_mode="per_direction"), "needs every direction"),
+    (lambda: MultipleNegativesRankingLoss(torch.nn.Identity(), hardness_mode="hard"), "hardness_mode must be"),
+    (lambda: CachedMultipleNegativesRankingLoss(torch.nn.Identity(), mini_batch_num_tokens=100),
+     "mini_batch_num_tokens is not supported"),
+])
+def test_options_that_would_change_the_result_are_refused(make_loss: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_loss()

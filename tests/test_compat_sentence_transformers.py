@@ -1,0 +1,93 @@
+"""The cached drop-in against sentence-transformers' own CachedMultipleNegativesRankingLoss on a tiny BERT.
+
+The model is built here, offline: a random-init one-layer ``BertModel`` and a word-level tokenizer
+from a small vocabulary, saved to a temporary folder and loaded through sentence-transformers'
+``Transformer`` and ``Pooling`` modules. Texts of different lengths, so that each mini-batch is cut
+to its own width (as sentence-transformers does). Also ``grad_cache`` on the bare Hugging Face model:
+keyword inputs, a dict output, equal to the plain full batch in float64.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("sentence_transformers")
+pytest.importorskip("transformers")
+
+from sentence_transformers import SentenceTransformer  # noqa: E402
+from sentence_transformers.sentence_transformer import losses as st_losses  # noqa: E402
+from sentence_transformers.sentence_transformer.modules import Pooling, Transformer  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import BertConfig, BertModel, PreTrainedTokenizerFast  # noqa: E402
+
+from contrastive_dist import grad_cache  # noqa: E402
+from contrastive_dist.compat.sentence_transformers import CachedMultipleNegativesRankingLoss  # noqa: E402
+
+WORDS = "[PAD] [UNK] [CLS] [SEP] [MASK] a b c d e f g h i j k l m n o p".split()
+TEXTS = ["a b c d e f", "g", "h i", "j k l m n o p a", "b c", "d", "e f g h", "i j k"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_bert")
+    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+                            sep_token="[SEP]", mask_token="[MASK]").save_pretrained(path)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(WORDS), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    BertModel(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sentence_model(tiny_model_path: Path) -> SentenceTransformer:
+    transformer = Transformer(str(tiny_model_path))
+    return SentenceTransformer(modules=[transformer, Pooling(16, "mean")], device="cpu").double()
+
+
+@pytest.mark.parametrize(("mini_batch_size", "directions"), [
+    (1, ("query_to_doc",)), (3, ("query_to_doc", "doc_to_query", "query_to_query", "doc_to_doc")),
+    (32, ("query_to_doc", "doc_to_query"))])
+def test_cached_drop_in_equals_sentence_transformers_cached_loss(
+    sentence_model: SentenceTransformer, mini_batch_size: int, directions: tuple[str, ...]
+) -> None:
+    results = []
+    for cls in (st_losses.CachedMultipleNegativesRankingLoss, CachedMultipleNegativesRankingLoss):
+        model = copy.deepcopy(sentence_model)
+        loss = cls(model, mini_batch_size=mini_batch_size, directions=directions)
+        columns = [model.preprocess(TEXTS), model.preprocess(TEXTS[::-1]), model.preprocess(TEXTS[1:] + TEXTS[:1])]
+        value = loss(columns, torch.zeros(len(TEXTS)))
+        value.backward()
+        results.append((value.detach(), {name: p.grad.clone() for name, p in model.named_parameters()
+                                          if p.grad is not None}))
+    (expected, expected_grads), (actual, grads) = results
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+    assert grads.keys() == expected_grads.keys() and len(grads) > 10
+    for name in grads:
+        torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_grad_cache_of_a_hugging_face_model_with_keywords_equals_the_full_batch(tiny_model_path: Path) -> None:
+    bert = BertModel.from_pretrained(str(tiny_model_path)).double()
+    batch = PreTrainedTokenizerFast.from_pretrained(str(tiny_model_path))(TEXTS, padding=True, return_tensors="pt")
+    upstream = torch.randn(len(TEXTS), batch["input_ids"].shape[1], 16, dtype=torch.float64)
+    cached = grad_cache(bert, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], mini_batch_size=3)
+    assert isinstance(cached, dict) and "last_hidden_state" in cached
+    cached_grads = torch.autograd.grad((cached["last_hidden_state"] * upstream).sum(), list(bert.parameters()),
+                                       allow_unused=True)
+    plain = bert(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    plain_grads = torch.autograd.grad((plain["last_hidden_state"] * upstream).sum(), list(bert.parameters()),
+                                      allow_unused=True)
+    torch.testing.assert_close(cached["last_hidden_state"], plain["last_hidden_state"], rtol=1e-12, atol=1e-12)
+    for cached_grad, plain_grad, parameter in zip(cached_grads, plain_grads, bert.parameters()):
+        # The pooler is unused by this objective: no gradient in the plain run, a zero one through the cache.
+        zero = torch.zeros_like(parameter)
+        torch.testing.assert_close(zero if cached_grad is None else cached_grad,
+                                   zero if plain_grad is None else plain_grad, rtol=1e-10, atol=1e-12)
