@@ -162,7 +162,11 @@ class _FusedOneBlock(torch.autograd.Function):
             key_grad = key_grad[: keys.shape[0]].mul_(scale)
         ctx.save_for_backward(query_grad, key_grad, scale_grad, grads.bias)
         ctx.dtypes = (queries.dtype, keys.dtype, scale.dtype, scale.dtype)
-        has_positive = family.has_positive(row_state)
+        # Filled chunk by chunk: derived from the whole state at once, these flags made the compiled
+        # graph of a rank without rows hang (SupCon, shards (3, 0), tests/test_compile.py).
+        has_positive = torch.zeros(queries.shape[0], dtype=torch.bool, device=queries.device)
+        for start, stop in spans:
+            has_positive[start:stop] = family.has_positive(row_state[start:stop])
         ctx.mark_non_differentiable(has_positive)
         return total, has_positive
 
