@@ -155,7 +155,10 @@ def test_bad_input_on_one_rank_raises_the_same_error_on_every_rank(pool: Callabl
     expected = {
         "mini_batch_size": ("ValueError", "mini_batch_size must be a positive int, got 0 (on rank 2;"),
         "leading sizes": ("ValueError", "same leading (batch) size, got shapes [(3, 3, 4), (1, 3, 4)] (on rank 2;"),
-        "not a tensor": ("TypeError", "every input must be a torch.Tensor or a mapping of names to tensors, got list at position 0 (on rank 0;"),
+        "not a tensor": (
+            "TypeError",
+            "every input must be a torch.Tensor or a mapping of names to tensors, got list at position 0 (on rank 0;",
+        ),
         "different mini_batch_size": ("ValueError", "different options (mini_batch_size)"),
         "output rows": ("ValueError", "(2 rows in this mini-batch), got shapes [(4, 5)] (on rank 0;"),
         "synchronized BatchNorm": ("ValueError", "raised ValueError on a mini-batch of 1 rows: Expected more than 1"),

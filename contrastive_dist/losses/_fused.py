@@ -25,6 +25,7 @@ from contrastive_dist.losses._kernel import (
     Pairs,
     accumulate,
     block_logits,
+    chunk_budget,
     chunks,
     first_order_only,
     gradients_wanted,
@@ -75,7 +76,8 @@ class _FusedOneBlock(torch.autograd.Function):
         key_grad = torch.zeros_like(block_keys, dtype=scale.dtype) if want_key else None
         any_grad = any(wanted)
         fast = epilogue.fused(pairs, queries, block_keys)
-        spans = chunks(queries.shape[0], pairs.chunk, block_keys.shape[0]) if block_keys.shape[0] else []
+        budget = chunk_budget(queries, one_pass_symmetric=pairs.columns is not None)
+        spans = chunks(queries.shape[0], pairs.chunk, block_keys.shape[0], budget=budget) if block_keys.shape[0] else []
         row_state = family.empty_state(queries.shape[0], scale)
         columns = transport.columns_in(EVERY_RANK, pairs.columns) if pairs.columns is not None else 0
         column_parts: list[Tensor] = []  # the columns' states over each chunk of this rank's rows

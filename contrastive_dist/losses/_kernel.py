@@ -40,6 +40,7 @@ __all__ = [
     "Pairs",
     "accumulate",
     "block_rows",
+    "chunk_budget",
     "chunks",
     "first_order_only",
     "as_input",
@@ -166,28 +167,44 @@ def transposed_copy(logits: Tensor) -> Tensor:
 
 
 BLOCK_LOGITS = 2**24
-"""The default chunk's budget: a block of at most this many logits (64 MiB in float32) is formed whole."""
+"""The default chunk's budget on CUDA, and for a block that serves both directions of a symmetric loss
+in one pass: at most this many logits (64 MiB in float32) are formed at once."""
+
+CPU_BLOCK_LOGITS = 2**21
+"""The default chunk's budget elsewhere on the CPU (8 MiB of float32 logits): blocks that stay in its
+caches; a smaller chunk costs no extra product there (measured: ``benchmarks/floor.py``)."""
 
 
-def default_chunk(rows: int, columns: int) -> int:
+def default_chunk(rows: int, columns: int, budget: int = BLOCK_LOGITS) -> int:
     """Rows per block when ``chunk_size=None``, chosen from the block's shape.
 
-    Every row if the block holds at most :data:`BLOCK_LOGITS` logits (formed whole: one pass, no
-    recomputation), else the most rows under that, in multiples of 64 (at least 64).
+    Every row if the block holds at most ``budget`` logits (formed whole), else the most rows under
+    that, in multiples of 64 (at least 64).
 
     Example:
         >>> default_chunk(4096, 4096), default_chunk(8192, 65536), default_chunk(10, 0)
         (4096, 256, 10)
+        >>> default_chunk(8192, 8192, CPU_BLOCK_LOGITS)
+        256
     """
-    if rows * columns <= BLOCK_LOGITS:
+    if rows * columns <= budget:
         return max(rows, 1)
-    return max(64, BLOCK_LOGITS // columns // 64 * 64)
+    return max(64, budget // columns // 64 * 64)
 
 
-def chunks(rows: int, chunk: int | None, columns: int = 0) -> list[tuple[int, int]]:
+def chunks(rows: int, chunk: int | None, columns: int = 0, *, budget: int = BLOCK_LOGITS) -> list[tuple[int, int]]:
     """``(start, stop)`` of each chunk of ``rows`` rows against ``columns`` (``None``: :func:`default_chunk`)."""
-    size = default_chunk(rows, columns) if chunk is None else chunk
+    size = default_chunk(rows, columns, budget) if chunk is None else chunk
     return [(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+
+def chunk_budget(queries: Tensor, *, one_pass_symmetric: bool = False) -> int:
+    """The default chunk's budget for blocks of ``queries``.
+
+    :data:`BLOCK_LOGITS` on CUDA and for a symmetric block formed in one pass (in chunks it would cost
+    a fourth product), else :data:`CPU_BLOCK_LOGITS`.
+    """
+    return BLOCK_LOGITS if queries.is_cuda or one_pass_symmetric else CPU_BLOCK_LOGITS
 
 
 class Grads(NamedTuple):

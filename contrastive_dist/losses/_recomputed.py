@@ -23,6 +23,7 @@ from contrastive_dist.losses._kernel import (
     as_input,
     block_logits,
     block_rows,
+    chunk_budget,
     chunks,
     first_order_only,
     gradients_wanted,
@@ -72,7 +73,8 @@ class _Recomputed(torch.autograd.Function):
             if block_keys.shape[0] == 0:
                 return
             own_start = transport.own_start_of(owner) if owner != LOCAL else None
-            for start, stop in chunks(queries.shape[0], pairs.chunk, block_keys.shape[0]):
+            budget = chunk_budget(queries)
+            for start, stop in chunks(queries.shape[0], pairs.chunk, block_keys.shape[0], budget=budget):
                 logits = block_logits(queries[start:stop], block_keys, scale, bias)
                 targets = pairs.rows.block(own_start, start, stop, column_keys)
                 if column_state is not None and column_state.shape[0]:
@@ -120,7 +122,8 @@ class _Recomputed(torch.autograd.Function):
             columns_here = block[-1] if symmetric and owner != LOCAL else None
             if owner == LOCAL:
                 column_keys = block[1] if len(block) > 1 else None
-            for start, stop in chunks(queries.shape[0], pairs.chunk, block_keys.shape[0]):
+            budget = chunk_budget(queries)
+            for start, stop in chunks(queries.shape[0], pairs.chunk, block_keys.shape[0], budget=budget):
                 chunk_queries = queries[start:stop]
                 logits = block_logits(chunk_queries, block_keys, scale, bias)
                 targets = pairs.rows.block(own_start, start, stop, column_keys)
