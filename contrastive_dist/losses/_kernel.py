@@ -167,44 +167,54 @@ def transposed_copy(logits: Tensor) -> Tensor:
 
 
 BLOCK_LOGITS = 2**24
-"""The default chunk's budget on CUDA, and for a block that serves both directions of a symmetric loss
+"""The default chunk's budget on CUDA, and for a block serving both directions of a symmetric loss
 in one pass: at most this many logits (64 MiB in float32) are formed at once."""
 
-CPU_BLOCK_LOGITS = 2**21
-"""The default chunk's budget elsewhere on the CPU (8 MiB of float32 logits): blocks that stay in its
-caches; a smaller chunk costs no extra product there (measured: ``benchmarks/floor.py``)."""
+CPU_BLOCK_LOGITS = 2**20
+"""The default chunk's budget elsewhere on the CPU (4 MiB of float32 logits), with chunks of at least
+:data:`CPU_CHUNK_ROWS` rows: blocks that stay in its caches, rows enough for its matrix products
+(measured: ``benchmarks/floor.py``, where 256 rows beat both the whole block and 128 rows)."""
+
+CPU_CHUNK_ROWS = 256
 
 
-def default_chunk(rows: int, columns: int, budget: int = BLOCK_LOGITS) -> int:
+def default_chunk(rows: int, columns: int, budget: int = BLOCK_LOGITS, least: int = 64) -> int:
     """Rows per block when ``chunk_size=None``, chosen from the block's shape.
 
     Every row if the block holds at most ``budget`` logits (formed whole), else the most rows under
-    that, in multiples of 64 (at least 64).
+    that, in multiples of 64, and at least ``least``.
 
     Example:
         >>> default_chunk(4096, 4096), default_chunk(8192, 65536), default_chunk(10, 0)
         (4096, 256, 10)
-        >>> default_chunk(8192, 8192, CPU_BLOCK_LOGITS)
+        >>> default_chunk(4096, 8192, CPU_BLOCK_LOGITS, CPU_CHUNK_ROWS)
         256
     """
     if rows * columns <= budget:
         return max(rows, 1)
-    return max(64, budget // columns // 64 * 64)
+    return max(least, budget // columns // 64 * 64)
 
 
-def chunks(rows: int, chunk: int | None, columns: int = 0, *, budget: int = BLOCK_LOGITS) -> list[tuple[int, int]]:
-    """``(start, stop)`` of each chunk of ``rows`` rows against ``columns`` (``None``: :func:`default_chunk`)."""
-    size = default_chunk(rows, columns, budget) if chunk is None else chunk
+def chunks(
+    rows: int, chunk: int | None, columns: int = 0, *, budget: tuple[int, int] = (BLOCK_LOGITS, 64)
+) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each chunk of ``rows`` rows against ``columns`` (``None``: :func:`default_chunk`).
+
+    ``budget``: the default chunk's logits and least rows (:func:`chunk_budget`).
+    """
+    size = default_chunk(rows, columns, *budget) if chunk is None else chunk
     return [(start, min(start + size, rows)) for start in range(0, rows, size)]
 
 
-def chunk_budget(queries: Tensor, *, one_pass_symmetric: bool = False) -> int:
-    """The default chunk's budget for blocks of ``queries``.
+def chunk_budget(queries: Tensor, *, one_pass_symmetric: bool = False) -> tuple[int, int]:
+    """The default chunk's budget for blocks of ``queries``: its logits and its least rows.
 
     :data:`BLOCK_LOGITS` on CUDA and for a symmetric block formed in one pass (in chunks it would cost
-    a fourth product), else :data:`CPU_BLOCK_LOGITS`.
+    a fourth product), else :data:`CPU_BLOCK_LOGITS` with at least :data:`CPU_CHUNK_ROWS` rows.
     """
-    return BLOCK_LOGITS if queries.is_cuda or one_pass_symmetric else CPU_BLOCK_LOGITS
+    if queries.is_cuda or one_pass_symmetric:
+        return BLOCK_LOGITS, 64
+    return CPU_BLOCK_LOGITS, CPU_CHUNK_ROWS
 
 
 class Grads(NamedTuple):
