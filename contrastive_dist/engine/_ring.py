@@ -192,10 +192,15 @@ def circulate(
             # The next block is on its way while this one is used.
             next_block = new_block(ring.owner(step + 1))
             block_transfer = ring.shift(block, next_block, step=hop)
+        traced = torch.compiler.is_compiling()  # a traced hop is waited on where it is posted: no overlap
         if new_accumulator is not None:
             # The owner starts its block's accumulator; later steps compute into a fresh part while
             # the travelling accumulator is still on its way, then merge it in.
-            accumulator = new_accumulator(ring.owner(step))
+            if accumulator_transfer is not None and traced:
+                accumulator_transfer.wait()
+                accumulator, accumulator_transfer = incoming, None
+            else:
+                accumulator = new_accumulator(ring.owner(step))
         visit(ring.owner(step), block, accumulator)
         if accumulator_transfer is not None:
             accumulator_transfer.wait()
