@@ -230,6 +230,11 @@ class TextTransformer(nn.Module):
         return self.norm(x[torch.arange(tokens.shape[0]), end])
 
 
+def unit_rows(features: Tensor) -> Tensor:
+    """Rows of length 1, in float32 at least (bf16 under autocast becomes float32; float64 stays)."""
+    return F.normalize(features.to(torch.promote_types(features.dtype, torch.float32)), dim=-1)
+
+
 class CLIP(L.LightningModule):
     """Two towers, a shared embedding space and a learnable temperature."""
 
@@ -264,10 +269,10 @@ class CLIP(L.LightningModule):
                                   collate_fn=self.collate, num_workers=self.args.num_workers)
 
     def encode_image(self, images: Tensor) -> Tensor:
-        return F.normalize(self.image_projection(self.image_tower(images)).float(), dim=-1)
+        return unit_rows(self.image_projection(self.image_tower(images)))
 
     def encode_text(self, tokens: Tensor) -> Tensor:
-        return F.normalize(self.text_projection(self.text_tower(tokens)).float(), dim=-1)
+        return unit_rows(self.text_projection(self.text_tower(tokens)))
 
     def encode(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         return self.encode_image(images), self.encode_text(tokens)

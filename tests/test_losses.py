@@ -61,6 +61,23 @@ def test_matches_loop_reference(total: int, dtype: torch.dtype, communication: s
 
 
 @pytest.mark.parametrize("communication", COMMUNICATIONS)
+def test_float32_features_under_a_float64_default_dtype(communication: str) -> None:
+    # Lightning's "64-true" sets the default dtype to float64; features that arrive in float32 keep their dtype
+    params, data = make_problem(seed=3, total=7, dtype=torch.float32)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for kind in KINDS:
+            for reduction in ("mean", "none"):
+                loss = package_value(kind, reduction, params, data, communication=communication)
+                loss, grads = value_and_grads(loss.sum(), params)
+                assert loss.dtype == torch.float32, (kind, reduction, loss.dtype)
+                assert all(grad.dtype == torch.float32 for grad in grads.values()), (kind, reduction)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@pytest.mark.parametrize("communication", COMMUNICATIONS)
 def test_chunked_equals_unchunked_float32(communication: str) -> None:
     generator = torch.Generator().manual_seed(0)
     images = F.normalize(torch.randn(37, 16, generator=generator), dim=-1).requires_grad_()

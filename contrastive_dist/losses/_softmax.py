@@ -206,7 +206,10 @@ def gradient_(
         weights: ``(c,)`` ``w_i``, the upstream gradient of each row's loss (a number: the same for every row).
     """
     total = state[:, _REST] + state[:, _EXACT]
-    live = torch.where(has_positive(state), weights, 0.0)
+    if isinstance(weights, Tensor):
+        live = torch.where(has_positive(state), weights, 0.0)
+    else:  # not ``where`` of two numbers: that takes the default dtype (float64 under Lightning's "64-true")
+        live = has_positive(state).to(state.dtype) * weights
     softmax_weight = live / total.clamp(min=torch.finfo(total.dtype).tiny)
     if positive_mask is None:
         positive = targets.positive
