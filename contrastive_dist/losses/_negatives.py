@@ -22,6 +22,7 @@ from contrastive_dist.engine._agreement import Layout
 from contrastive_dist.engine._ring import Ring
 from contrastive_dist.engine.gather import gather_agreed
 from contrastive_dist.losses._columns import Columns, OneBlock, RingBlocks
+from contrastive_dist.losses._precision import operands
 
 __all__ = [
     "SharedNegatives",
@@ -29,6 +30,7 @@ __all__ = [
     "check_negatives",
     "negatives_kind",
     "shared_negatives_option",
+    "text_columns",
     "with_own_negatives",
 ]
 
@@ -149,3 +151,22 @@ def with_own_negatives(columns: Columns, negatives: Sequence[Tensor | None], lay
     if isinstance(columns.transport, OneBlock):
         return Columns(tuple(joined), columns.transport, rows)
     return Columns(tuple(joined), RingBlocks(Ring(ring.rank, ring.world_size, rows, ring.group)), rows)
+
+
+def text_columns(
+    texts: Columns,
+    keyed: bool,
+    negatives: Tensor | SharedNegatives | None,
+    negative_keys: Tensor | None,
+    layout: Layout,
+) -> tuple[Columns, tuple[int, ...]]:
+    """InfoNCE's columns: the texts (and their keys when ``keyed``), every rank's own negatives after them.
+
+    Returns the columns and every rank's number of keyed columns (its texts, and its negatives when
+    they have keys: ``negative_keys``).
+    """
+    columns = Columns((operands(texts.tensors[0]), *texts.tensors[1 : 1 + keyed]), texts.transport, texts.rows)
+    if not isinstance(negatives, Tensor):
+        return columns, texts.rows
+    joined = with_own_negatives(columns, (operands(negatives), negative_keys if keyed else None), layout)
+    return joined, joined.rows if keyed and negative_keys is not None else texts.rows

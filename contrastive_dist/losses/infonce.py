@@ -3,75 +3,36 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, cast
 
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist._validation import check_pair, collect
-from contrastive_dist.engine._agreement import agree
-from contrastive_dist.losses._columns import Columns, meet
-from contrastive_dist.losses._kernel import SOFTMAX, Pairs
-from contrastive_dist.losses._module import TemperatureLoss
+from contrastive_dist._validation import check_pair
+from contrastive_dist.losses._frame import Common, begin
+from contrastive_dist.losses._kernel import SOFTMAX
+from contrastive_dist.losses._module import HeldOptions
 from contrastive_dist.losses._negatives import (
     SharedNegatives,
     check_negative_ids,
     check_negatives,
     negatives_kind,
     shared_negatives_option,
-    with_own_negatives,
+    text_columns,
 )
-from contrastive_dist.losses._options import (
-    Communication,
-    Reduction,
-    SameId,
-    agreed_options,
-    check_bool,
-    check_chunk_size,
-    check_communication,
-    check_ids,
-    check_reduction,
-    check_same_id,
-    check_temperature,
-    check_weight,
-    resolve_scale,
-)
-from contrastive_dist.losses._precision import compute_dtype, full_precision, operands
-from contrastive_dist.losses._reduction import Direction, mean_over_directions, mean_share, weight_total
-from contrastive_dist.losses._targets import SMALL_KEYS, comparable_keys, pair_targets, small_keys_flag
+from contrastive_dist.losses._options import Communication, Reduction, SameId, check_bool, check_ids
+from contrastive_dist.losses._precision import full_precision, operands
+from contrastive_dist.losses._targets import pair_targets
 
 __all__ = ["DistributedInfoNCE", "info_nce"]
 
 
-class _Arguments(NamedTuple):
-    images: Tensor
-    texts: Tensor
-    scale: Tensor
-    chunk_size: int | None
-    weights: Tensor | None
-    negatives: Tensor | SharedNegatives | None
-    ids: Tensor | None
-    negative_ids: Tensor | None
-
-
 def info_nce(
-    image_features: Tensor,
-    text_features: Tensor,
-    logit_scale: Tensor | float | None = None,
-    *,
-    temperature: float = 0.07,
-    symmetric: bool = True,
-    chunk_size: int | None = None,
-    group: ProcessGroup | None = None,
-    sizes: Sequence[int] | None = None,
-    negatives: Tensor | SharedNegatives | None = None,
-    weight: Tensor | None = None,
-    reduction: Reduction = "mean",
-    communication: Communication = "gather",
-    ids: Tensor | None = None,
-    same_id: SameId = "mask",
-    negative_ids: Tensor | None = None,
+    image_features: Tensor, text_features: Tensor, logit_scale: Tensor | float | None = None, *,
+    temperature: float = 0.07, symmetric: bool = True, chunk_size: int | None = None, group: ProcessGroup | None = None,
+    sizes: Sequence[int] | None = None, negatives: Tensor | SharedNegatives | None = None, weight: Tensor | None = None,
+    reduction: Reduction = "mean", communication: Communication = "gather", ids: Tensor | None = None,
+    same_id: SameId = "mask", negative_ids: Tensor | None = None,
 ) -> Tensor:
     """CLIP loss of this rank's pairs against every rank's pairs; exact under data parallelism.
 
@@ -125,13 +86,11 @@ def info_nce(
         negative_ids: ``(k_r,)`` (own) or ``(K,)`` (shared) int64 ids of ``negatives``, or ``None``.
 
     Returns:
-        ``"mean"``: a scalar, this rank's share of the global loss (0 for an empty global batch or
-        all-zero weights). ``"none"``: this rank's per-pair losses. Float32 (float64 for float64
-        features), gradients in the inputs' dtypes ([compute dtypes][compute-dtypes]).
+        This rank's share of the global loss, or its per-pair losses with ``reduction="none"``
+        ([compute dtypes][compute-dtypes]).
 
     Raises:
-        ValueError / TypeError: on every rank, when an input or option is invalid on any rank, or
-            the ranks' inputs or options differ ([checked on every rank][option-agreement]).
+        ValueError / TypeError: on every rank, if any rank's call is wrong ([agreement][option-agreement]).
 
     Shape:
         image_features, text_features: ``(n_r, D)``; logit_scale: ``()``; negatives: ``(k_r, D)``
@@ -158,121 +117,58 @@ def info_nce(
 
     """
 
-    def arguments() -> _Arguments:
+    def own() -> tuple[Tensor, Tensor, Tensor | SharedNegatives | None, Tensor | None]:
         images, texts = check_pair("image_features", image_features, "text_features", text_features)
         check_bool("symmetric", symmetric)
-        check_reduction(reduction, weight)
-        check_communication(communication)
-        check_same_id(same_id)
         extra = check_negatives(negatives, texts)
         check_negative_ids(negative_ids, ids, extra)
         extra_rows = 0 if extra is None else (extra.keys if isinstance(extra, SharedNegatives) else extra).shape[0]
-        return _Arguments(
-            images,
-            texts,
-            resolve_scale(logit_scale, check_temperature(temperature), images),
-            check_chunk_size(chunk_size),
-            check_weight(weight, images.shape[0], images),
-            extra,
-            check_ids("ids", ids, images.shape[0], images),
-            check_ids("negative_ids", negative_ids, extra_rows, images),
-        )
+        return images, texts, extra, check_ids("negative_ids", negative_ids, extra_rows, images)
 
-    checked, problem = collect(arguments)
-    own_negatives = checked.negatives if checked is not None and isinstance(checked.negatives, Tensor) else None
-    optional = tuple(tensor for tensor in (own_negatives, ids, negative_ids) if isinstance(tensor, Tensor))
-    small_keys: int | Tensor = 0
-    if checked is not None:
-        dtype = compute_dtype(checked.images.dtype)
-        small_keys = small_keys_flag(checked.ids, dtype) & small_keys_flag(checked.negative_ids, dtype)
-    layout = agree(
-        (image_features, text_features, *optional),
-        problem=problem,
-        group=group,
-        operation="info_nce",
-        options=agreed_options(
-            chunk_size=chunk_size,
-            communication=communication,
-            reduction=reduction,
-            weight=weight,
-            temperature=temperature,
-            logit_scale=logit_scale,
-            symmetric=symmetric,
-            negatives=negatives_kind(negatives),
-            ids=ids is not None,
-            same_id=same_id,
-            negative_ids=negative_ids is not None,
-            shared_negatives=shared_negatives_option(negatives, negative_ids),  # identical on every rank
-        ),
-        sizes=sizes,
-        extra=0 if own_negatives is None else own_negatives.shape[0],
-        total=None if checked is None else weight_total(checked.weights),
-        flags=small_keys,
-    )
-    arguments_ = cast(_Arguments, checked)
-    images, texts, scale, chunk, weights, negatives = arguments_[:6]
+    common = Common("info_nce", logit_scale, temperature, chunk_size, group, sizes, weight, reduction, communication,
+                    ids, same_id)
+    own_negatives = negatives if isinstance(negatives, Tensor) else None
+    options = {"symmetric": symmetric, "negatives": negatives_kind(negatives), "negative_ids": negative_ids is not None,
+               "shared_negatives": shared_negatives_option(negatives, negative_ids)}  # identical on every rank
+    call = begin(common, own, (image_features, text_features, own_negatives, negative_ids), options=options,
+                 keyed=(negative_ids,), extra=0 if own_negatives is None else own_negatives.shape[0])
+    images, texts, extra, extra_ids = call.own
     ring = communication == "ring"
     with full_precision(images.device):
-        small = layout.every_rank_has(SMALL_KEYS)
-        keys = None if arguments_.ids is None else comparable_keys(arguments_.ids, compute_dtype(images.dtype), small)
-        keyed = () if keys is None else (keys,)
+        keys, negative_keys = call.keys(call.ids), call.keys(extra_ids)
         # Gather mode's text→image direction weighs every rank's texts: their weights travel with them.
-        weighed = (weights,) if symmetric and not ring and weights is not None else ()
-        columns = meet(communication, layout, (texts, *keyed, *weighed))
-        column_keys = columns.tensors[1] if keys is not None else None
-        negative_keys = arguments_.negative_ids
-        if negative_keys is not None:
-            negative_keys = comparable_keys(negative_keys, compute_dtype(images.dtype), small)
-        text_columns = Columns((operands(columns.tensors[0]), *(() if column_keys is None else (column_keys,))),
-                               columns.transport, columns.rows)
-        column_key_rows = columns.rows
-        if own_negatives is not None:
-            joined = (operands(own_negatives), negative_keys if column_keys is not None else None)
-            text_columns = with_own_negatives(text_columns, joined, layout)
-            column_key_rows = text_columns.rows if negative_keys is not None else columns.rows
-        pairs_with = torch.arange(images.shape[0], device=images.device)
+        weighed = call.weights if symmetric and not ring else None
+        texts_met = call.meet((texts, keys, weighed))
+        columns, column_key_rows = text_columns(texts_met, keys is not None, extra, negative_keys, call.layout)
         # Text j's image: row j of its own rank (ring: its own block's column j; gather: the offset's).
         column_positive = None
         if symmetric:
-            column_positive = torch.arange(columns.tensors[0].shape[0], device=images.device)
-            column_positive = column_positive if ring else column_positive - layout.offset
+            column_positive = torch.arange(texts_met.tensors[0].shape[0], device=images.device)
+            column_positive = column_positive if ring else column_positive - call.layout.offset
+        pairs_with = torch.arange(images.shape[0], device=images.device)
         rows = pair_targets(pairs_with, keys=keys, same_id=same_id, column_positive=column_positive)
-        image_to_text = Pairs(
-            SOFTMAX,
-            rows,
-            text_columns.transport,
-            chunk,
-            column_keys=text_columns.tensors[1] if column_keys is not None else None,
-            key_rows=text_columns.rows,
+        shared = extra if isinstance(extra, SharedNegatives) else None
+        pairs = call.pairs(
+            SOFTMAX, rows, columns, keyed=keys is not None,
             column_key_rows=column_key_rows,
-            columns=layout.sizes if symmetric else None,  # the texts' own losses, from the same logits
-            local_keys=negatives.keys if isinstance(negatives, SharedNegatives) else None,
-            local_column_keys=negative_keys if isinstance(negatives, SharedNegatives) else None,
-            column_weights=columns.tensors[-1] if weighed else None,
+            columns=call.layout.sizes if symmetric else None,  # the texts' own losses, from the same logits
+            local_keys=None if shared is None else shared.keys,
+            local_column_keys=None if shared is None else negative_keys,
+            column_weights=texts_met.tensors[-1] if weighed is not None else None,
         )
-        direction = Direction(operands(images), text_columns.tensors[0], scale, None, image_to_text)
-        value, _ = mean_over_directions([direction], weights=weights, per_row=reduction == "none")
-    if reduction == "none":
-        return value
-    return mean_share(value, layout, sum(layout.sizes) if layout.total is None else layout.total)
+        value, _ = call.pair_sum(operands(images), columns.tensors[0], pairs)
+    return value if call.per_row else call.share(value)
 
 
-class DistributedInfoNCE(TemperatureLoss):
+class DistributedInfoNCE(HeldOptions):
     """CLIP loss over the global batch; holds the options of :func:`info_nce`.
 
     Args:
-        temperature: ``1 / logit_scale`` when ``forward`` gets no ``logit_scale``; > 0.
-        symmetric: average image→text and text→image, or image→text only.
-        chunk_size: rows computed at a time; same result ([chunk_size][option-chunk-size]).
-        group: the process group, default the world ([group][option-group]).
-        reduction: ``"mean"`` or ``"none"``, per-pair losses ([reduction][option-reduction]).
-        communication: ``"gather"`` or ``"ring"`` ([communication][option-communication]).
-        same_id: what pairs with the same ``ids`` (given to ``forward``) are: ``"mask"`` or
-            ``"positive"`` ([ids][option-ids]).
+        temperature, symmetric, chunk_size, group, reduction, communication, same_id: as for
+            :func:`info_nce`; ``temperature`` is used when ``forward`` gets no ``logit_scale``.
 
     Shape:
-        image_features, text_features: ``(n_r, D)``; logit_scale: ``()``; negatives: ``(k_r, D)``;
-        weight, ids: ``(n_r,)``; output: ``()``, or ``(n_r,)`` with ``reduction="none"``.
+        as for :func:`info_nce`.
 
     Example:
         >>> import torch
@@ -286,58 +182,15 @@ class DistributedInfoNCE(TemperatureLoss):
 
     """
 
-    def __init__(
-        self,
-        *,
-        temperature: float = 0.07,
-        symmetric: bool = True,
-        chunk_size: int | None = None,
-        group: ProcessGroup | None = None,
-        reduction: Reduction = "mean",
-        communication: Communication = "gather",
-        same_id: SameId = "mask",
-    ) -> None:
-        super().__init__(
-            temperature=temperature,
-            chunk_size=chunk_size,
-            group=group,
-            reduction=reduction,
-            communication=communication,
-        )
-        self.same_id = check_same_id(same_id)
-        self.symmetric = check_bool("symmetric", symmetric)
+    def __init__(self, *, temperature: float = 0.07, symmetric: bool = True, chunk_size: int | None = None,
+                 group: ProcessGroup | None = None, reduction: Reduction = "mean",
+                 communication: Communication = "gather", same_id: SameId = "mask") -> None:
+        super().__init__(temperature=temperature, symmetric=symmetric, chunk_size=chunk_size, group=group,
+                         reduction=reduction, communication=communication, same_id=same_id)
 
-    def forward(
-        self,
-        image_features: Tensor,
-        text_features: Tensor,
-        logit_scale: Tensor | float | None = None,
-        *,
-        sizes: Sequence[int] | None = None,
-        negatives: Tensor | SharedNegatives | None = None,
-        weight: Tensor | None = None,
-        ids: Tensor | None = None,
-        negative_ids: Tensor | None = None,
-    ) -> Tensor:
+    def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor | float | None = None, *,
+                sizes: Sequence[int] | None = None, negatives: Tensor | SharedNegatives | None = None,
+                weight: Tensor | None = None, ids: Tensor | None = None, negative_ids: Tensor | None = None) -> Tensor:
         """Return this rank's share of the loss (or its per-pair losses); see :func:`info_nce`."""
-        return info_nce(
-            image_features,
-            text_features,
-            logit_scale,
-            temperature=self.temperature,
-            symmetric=self.symmetric,
-            chunk_size=self.chunk_size,
-            group=self.group,
-            sizes=sizes,
-            negatives=negatives,
-            weight=weight,
-            reduction=self.reduction,
-            communication=self.communication,
-            ids=ids,
-            same_id=self.same_id,
-            negative_ids=negative_ids,
-        )
-
-    def extra_repr(self) -> str:
-        """Show the options in ``repr``."""
-        return f"{super().extra_repr()}, symmetric={self.symmetric}, same_id={self.same_id!r}"
+        return info_nce(image_features, text_features, logit_scale, sizes=sizes, negatives=negatives, weight=weight,
+                        ids=ids, negative_ids=negative_ids, **self.options())

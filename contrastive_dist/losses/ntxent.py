@@ -3,62 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist._validation import check_pair, collect
-from contrastive_dist.engine._agreement import agree
-from contrastive_dist.losses._columns import meet
-from contrastive_dist.losses._kernel import SOFTMAX, Pairs
-from contrastive_dist.losses._module import TemperatureLoss
-from contrastive_dist.losses._options import (
-    Communication,
-    Reduction,
-    SameId,
-    agreed_options,
-    check_chunk_size,
-    check_communication,
-    check_ids,
-    check_reduction,
-    check_same_id,
-    check_temperature,
-    check_weight,
-    resolve_scale,
-)
-from contrastive_dist.losses._precision import compute_dtype, full_precision, upcast
-from contrastive_dist.losses._reduction import Direction, mean_over_directions, mean_share, weight_total
-from contrastive_dist.losses._targets import SMALL_KEYS, comparable_keys, pair_targets, small_keys_flag
+from contrastive_dist._validation import check_pair
+from contrastive_dist.losses._frame import Call, Common, begin
+from contrastive_dist.losses._kernel import SOFTMAX
+from contrastive_dist.losses._module import HeldOptions
+from contrastive_dist.losses._options import Communication, Reduction, SameId
+from contrastive_dist.losses._precision import full_precision, upcast
+from contrastive_dist.losses._targets import pair_targets
 
 __all__ = ["NTXentLoss", "nt_xent"]
 
 
-class _Arguments(NamedTuple):
-    z1: Tensor
-    z2: Tensor
-    scale: Tensor
-    chunk_size: int | None
-    weights: Tensor | None
-    ids: Tensor | None
-
-
 def nt_xent(
-    z1: Tensor,
-    z2: Tensor,
-    logit_scale: Tensor | float | None = None,
-    *,
-    temperature: float = 0.5,
-    chunk_size: int | None = None,
-    group: ProcessGroup | None = None,
-    sizes: Sequence[int] | None = None,
-    weight: Tensor | None = None,
-    reduction: Reduction = "mean",
-    communication: Communication = "gather",
-    ids: Tensor | None = None,
-    same_id: SameId = "mask",
+    z1: Tensor, z2: Tensor, logit_scale: Tensor | float | None = None, *, temperature: float = 0.5,
+    chunk_size: int | None = None, group: ProcessGroup | None = None, sizes: Sequence[int] | None = None,
+    weight: Tensor | None = None, reduction: Reduction = "mean", communication: Communication = "gather",
+    ids: Tensor | None = None, same_id: SameId = "mask",
 ) -> Tensor:
     """NT-Xent of this rank's views against both views of the whole global batch.
 
@@ -101,14 +68,11 @@ def nt_xent(
             ([communication][option-communication]).
 
     Returns:
-        ``"mean"``: a scalar, this rank's share of the global loss (0 for an empty global batch or
-        all-zero weights); ``"none"``: this rank's per-sample losses.
-        Float32 (float64 for float64 inputs), gradients in the inputs' dtypes
-        ([compute dtypes][compute-dtypes]).
+        The share of this rank in the global loss (per sample: the mean of its two anchors'), or
+        with ``reduction="none"`` its samples' losses ([compute dtypes][compute-dtypes]).
 
     Raises:
-        ValueError / TypeError: on every rank, when an input or option is invalid on any rank, or
-            the ranks' inputs or options differ ([checked on every rank][option-agreement]).
+        ValueError / TypeError: on every rank, if any rank's call is wrong ([agreement][option-agreement]).
 
     Shape:
         z1, z2: ``(n_r, D)``; logit_scale: ``()``; weight: ``(n_r,)``; output: ``()``, or ``(n_r,)``
@@ -127,80 +91,49 @@ def nt_xent(
 
     """
 
-    def arguments() -> _Arguments:
-        first, second = check_pair("z1", z1, "z2", z2)
-        check_reduction(reduction, weight)
-        check_communication(communication)
-        check_same_id(same_id)
-        scale = resolve_scale(logit_scale, check_temperature(temperature), first)
-        weights = check_weight(weight, first.shape[0], first)
-        sample_ids = check_ids("ids", ids, first.shape[0], first)
-        return _Arguments(first, second, scale, check_chunk_size(chunk_size), weights, sample_ids)
+    def own() -> tuple[Tensor, Tensor]:
+        return check_pair("z1", z1, "z2", z2)
 
-    checked, problem = collect(arguments)
-    layout = agree(
-        (z1, z2, *(() if ids is None else (ids,))),
-        problem=problem,
-        group=group,
-        operation="nt_xent",
-        options=agreed_options(
-            chunk_size=chunk_size,
-            communication=communication,
-            reduction=reduction,
-            weight=weight,
-            temperature=temperature,
-            logit_scale=logit_scale,
-            ids=ids is not None,
-            same_id=same_id,
-        ),
-        sizes=sizes,
-        total=None if checked is None else weight_total(checked.weights),
-        flags=0 if checked is None else small_keys_flag(checked.ids, compute_dtype(checked.z1.dtype)),
-    )
-    first, second, scale, chunk, weights, sample_ids = cast(_Arguments, checked)
-    samples = first.shape[0]
+    common = Common("nt_xent", logit_scale, temperature, chunk_size, group, sizes, weight, reduction, communication,
+                    ids, same_id)
+    call = begin(common, own, (z1, z2), options={})
+    first, second = call.own
     with full_precision(first.device):
-        # Normalised in the core's dtype, so bf16/fp16 inputs lose nothing to a rounded unit vector.
-        # Sample-major anchors: sample i's views are rows 2i and 2i + 1, its own block's columns too.
-        views = F.normalize(upcast(torch.stack((first, second), dim=1)), dim=-1).flatten(0, 1)
-        keys = None
-        if sample_ids is not None:  # both views of a sample carry its id
-            small = layout.every_rank_has(SMALL_KEYS)
-            keys = comparable_keys(sample_ids, views.dtype, small).repeat_interleave(2)
-        columns = meet(communication, layout, (views, *(() if keys is None else (keys,))), per_sample=2)
-        anchors = torch.arange(2 * samples, device=first.device)
-        pairs = Pairs(
-            SOFTMAX,
-            pair_targets(anchors ^ 1, excluded=anchors, keys=keys, same_id=same_id),  # the other view; never itself
-            columns.transport,
-            chunk,
-            column_keys=None if keys is None else columns.tensors[1],
-            key_rows=columns.rows,
-        )
-        direction = Direction(views, columns.tensors[0], scale, None, pairs)
-        anchor_weights = None if weights is None else weights.repeat_interleave(2)
-        value, _ = mean_over_directions([direction], weights=anchor_weights, per_row=reduction == "none")
-    if reduction == "none":
-        return value.view(samples, 2).mean(dim=1)  # a sample's loss: the mean of its two anchors'
-    denominator = sum(layout.sizes) if layout.total is None else layout.total
-    return mean_share(value * 0.5, layout, denominator)
+        views, keys, anchor_weights = two_views(call, first, second)
+        columns = call.meet((views, keys), per_sample=2)
+        anchors = torch.arange(views.shape[0], device=views.device)
+        targets = pair_targets(anchors ^ 1, excluded=anchors, keys=keys, same_id=same_id)  # the other view; not itself
+        pairs = call.pairs(SOFTMAX, targets, columns, keyed=keys is not None)
+        value, _ = call.pair_sum(views, columns.tensors[0], pairs, weights=anchor_weights)
+    # a sample's loss: the mean of its two anchors'
+    return value.view(-1, 2).mean(dim=1) if call.per_row else call.share(value * 0.5)
 
 
-class NTXentLoss(TemperatureLoss):
+def two_views(call: Call[Any], first: Tensor, second: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Two views as anchors, sample-major (sample ``i``'s views: rows ``2i``, ``2i + 1``), their keys and weights.
+
+    Normalised in the core's dtype, so bf16/fp16 inputs lose nothing to a rounded unit vector; both
+    views of a sample carry its id and its weight.
+
+    Shape:
+        first, second: ``(n_r, D)``; output: ``(2 n_r, D)``, ``(2 n_r,)``, ``(2 n_r,)``.
+    """
+    views = F.normalize(upcast(torch.stack((first, second), dim=1)), dim=-1).flatten(0, 1)
+    keys = call.keys(call.ids)
+    keys = None if keys is None else keys.repeat_interleave(2)
+    weights = None if call.weights is None else call.weights.repeat_interleave(2)
+    return views, keys, weights
+
+
+class NTXentLoss(HeldOptions):
     """SimCLR's NT-Xent loss over the global batch; holds the options of :func:`nt_xent`.
 
     Args:
-        temperature: divides the cosine similarities when ``forward`` gets no ``logit_scale``; > 0.
-        chunk_size: anchors per block; same result ([chunk_size][option-chunk-size]).
-        group: the process group, default the world ([group][option-group]).
-        reduction: ``"mean"`` or ``"none"``, per-sample losses ([reduction][option-reduction]).
-        communication: ``"gather"`` or ``"ring"`` ([communication][option-communication]).
-        same_id: what samples with the same ``ids`` (given to ``forward``) are: ``"mask"`` or
-            ``"positive"`` ([ids][option-ids]).
+        temperature, chunk_size, group, reduction, communication, same_id: as for :func:`nt_xent`;
+            ``temperature`` is used when ``forward`` gets no ``logit_scale``.
 
     Shape:
-        z1, z2: ``(n_r, D)``; logit_scale: ``()``; weight: ``(n_r,)``; output: ``()``, or ``(n_r,)``
-        with ``reduction="none"``.
+        as for :func:`nt_xent`.
 
     Example:
         >>> import torch
@@ -211,51 +144,13 @@ class NTXentLoss(TemperatureLoss):
 
     """
 
-    def __init__(
-        self,
-        *,
-        temperature: float = 0.5,
-        chunk_size: int | None = None,
-        group: ProcessGroup | None = None,
-        reduction: Reduction = "mean",
-        communication: Communication = "gather",
-        same_id: SameId = "mask",
-    ) -> None:
-        super().__init__(
-            temperature=temperature,
-            chunk_size=chunk_size,
-            group=group,
-            reduction=reduction,
-            communication=communication,
-        )
-        self.same_id = check_same_id(same_id)
+    def __init__(self, *, temperature: float = 0.5, chunk_size: int | None = None, group: ProcessGroup | None = None,
+                 reduction: Reduction = "mean", communication: Communication = "gather",
+                 same_id: SameId = "mask") -> None:
+        super().__init__(temperature=temperature, chunk_size=chunk_size, group=group, reduction=reduction,
+                         communication=communication, same_id=same_id)
 
-    def forward(
-        self,
-        z1: Tensor,
-        z2: Tensor,
-        logit_scale: Tensor | float | None = None,
-        *,
-        sizes: Sequence[int] | None = None,
-        weight: Tensor | None = None,
-        ids: Tensor | None = None,
-    ) -> Tensor:
+    def forward(self, z1: Tensor, z2: Tensor, logit_scale: Tensor | float | None = None, *,
+                sizes: Sequence[int] | None = None, weight: Tensor | None = None, ids: Tensor | None = None) -> Tensor:
         """Return this rank's share of the loss (or its per-sample losses); see :func:`nt_xent`."""
-        return nt_xent(
-            z1,
-            z2,
-            logit_scale,
-            temperature=self.temperature,
-            chunk_size=self.chunk_size,
-            group=self.group,
-            sizes=sizes,
-            weight=weight,
-            reduction=self.reduction,
-            communication=self.communication,
-            ids=ids,
-            same_id=self.same_id,
-        )
-
-    def extra_repr(self) -> str:
-        """Show the options in ``repr``."""
-        return f"{super().extra_repr()}, same_id={self.same_id!r}"
+        return nt_xent(z1, z2, logit_scale, sizes=sizes, weight=weight, ids=ids, **self.options())

@@ -3,61 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, cast
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist._validation import check_pair, collect
-from contrastive_dist.engine._agreement import agree
-from contrastive_dist.losses._columns import meet
-from contrastive_dist.losses._kernel import SIGMOID, Pairs
-from contrastive_dist.losses._options import (
-    Communication,
-    Reduction,
-    SameId,
-    agreed_options,
-    check_chunk_size,
-    check_communication,
-    check_ids,
-    check_reduction,
-    check_same_id,
-    check_weight,
-    positive_scalar,
-    scalar_tensor,
-)
-from contrastive_dist.losses._precision import compute_dtype, full_precision, operands
-from contrastive_dist.losses._reduction import Direction, mean_over_directions, mean_share, weight_total
-from contrastive_dist.losses._targets import SMALL_KEYS, comparable_keys, pair_targets, small_keys_flag
+from contrastive_dist._validation import check_pair
+from contrastive_dist.losses._frame import Common, begin
+from contrastive_dist.losses._kernel import SIGMOID
+from contrastive_dist.losses._module import HeldOptions
+from contrastive_dist.losses._options import Communication, Reduction, SameId, scalar_tensor
+from contrastive_dist.losses._precision import full_precision, operands
+from contrastive_dist.losses._targets import pair_targets
 
 __all__ = ["SigLIPLoss", "siglip"]
 
 
-class _Arguments(NamedTuple):
-    images: Tensor
-    texts: Tensor
-    scale: Tensor
-    bias: Tensor
-    chunk_size: int | None
-    weights: Tensor | None
-    ids: Tensor | None
-
-
 def siglip(
-    image_features: Tensor,
-    text_features: Tensor,
-    logit_scale: Tensor | float,
-    logit_bias: Tensor | float,
-    *,
-    chunk_size: int | None = None,
-    group: ProcessGroup | None = None,
-    sizes: Sequence[int] | None = None,
-    weight: Tensor | None = None,
-    reduction: Reduction = "mean",
-    communication: Communication = "gather",
-    ids: Tensor | None = None,
-    same_id: SameId = "mask",
+    image_features: Tensor, text_features: Tensor, logit_scale: Tensor | float, logit_bias: Tensor | float, *,
+    chunk_size: int | None = None, group: ProcessGroup | None = None, sizes: Sequence[int] | None = None,
+    weight: Tensor | None = None, reduction: Reduction = "mean", communication: Communication = "gather",
+    ids: Tensor | None = None, same_id: SameId = "mask",
 ) -> Tensor:
     """Sigmoid loss of this rank's images against every rank's texts; exact under data parallelism.
 
@@ -100,14 +66,11 @@ def siglip(
             travel) ([communication][option-communication]).
 
     Returns:
-        ``"mean"``: a scalar, this rank's share of the global loss (0 for an empty global batch or
-        all-zero weights); ``"none"``: this rank's per-row losses.
-        Float32 (float64 for float64 features), gradients in the inputs' dtypes
-        ([compute dtypes][compute-dtypes]).
+        The sum of this rank's pair terms times ``W / N`` (its share), or each image row's terms summed
+        (``reduction="none"``) ([compute dtypes][compute-dtypes]).
 
     Raises:
-        ValueError / TypeError: on every rank, when an input or option is invalid on any rank, or
-            the ranks' inputs or options differ ([checked on every rank][option-agreement]).
+        ValueError / TypeError: on every rank, if any rank's call is wrong ([agreement][option-agreement]).
 
     Shape:
         image_features, text_features: ``(n_r, D)``; logit_scale, logit_bias: ``()``;
@@ -126,69 +89,32 @@ def siglip(
 
     """
 
-    def arguments() -> _Arguments:
+    def own() -> tuple[Tensor, Tensor, Tensor]:
         images, texts = check_pair("image_features", image_features, "text_features", text_features)
-        check_reduction(reduction, weight)
-        check_communication(communication)
-        check_same_id(same_id)
-        return _Arguments(
-            images,
-            texts,
-            positive_scalar("logit_scale", logit_scale, images),
-            scalar_tensor("logit_bias", logit_bias, images),
-            check_chunk_size(chunk_size),
-            check_weight(weight, images.shape[0], images),
-            check_ids("ids", ids, images.shape[0], images),
-        )
+        return images, texts, scalar_tensor("logit_bias", logit_bias, images)
 
-    checked, problem = collect(arguments)
-    layout = agree(
-        (image_features, text_features, *(() if ids is None else (ids,))),
-        problem=problem,
-        group=group,
-        operation="siglip",
-        options=agreed_options(chunk_size=chunk_size, communication=communication, reduction=reduction,
-                               weight=weight, ids=ids is not None, same_id=same_id),
-        sizes=sizes,
-        total=None if checked is None else weight_total(checked.weights),
-        flags=0 if checked is None else small_keys_flag(checked.ids, compute_dtype(checked.images.dtype)),
-    )
-    images, texts, scale, bias, chunk, weights, pair_ids = cast(_Arguments, checked)
+    common = Common("siglip", logit_scale, None, chunk_size, group, sizes, weight, reduction, communication, ids,
+                    same_id)
+    call = begin(common, own, (image_features, text_features), options={})
+    images, texts, bias = call.own
     with full_precision(images.device):
-        keys = None
-        if pair_ids is not None:
-            keys = comparable_keys(pair_ids, scale.dtype, layout.every_rank_has(SMALL_KEYS))
-        columns = meet(communication, layout, (operands(texts), *(() if keys is None else (keys,))))
+        keys = call.keys(call.ids)
+        columns = call.meet((operands(texts), keys))
         own_text = torch.arange(images.shape[0], device=images.device)
-        pairs = Pairs(
-            SIGMOID,
-            pair_targets(own_text, keys=keys, same_id=same_id),
-            columns.transport,
-            chunk,
-            column_keys=None if keys is None else columns.tensors[1],
-            key_rows=columns.rows,
-        )
-        direction = Direction(operands(images), columns.tensors[0], scale, bias, pairs)
-        value, _ = mean_over_directions([direction], weights=weights, per_row=reduction == "none")
-    if reduction == "none":
-        return value
-    return mean_share(value, layout, sum(layout.sizes) if layout.total is None else layout.total)
+        pairs = call.pairs(SIGMOID, pair_targets(own_text, keys=keys, same_id=same_id), columns, keyed=keys is not None)
+        value, _ = call.pair_sum(operands(images), columns.tensors[0], pairs, bias=bias)
+    return value if call.per_row else call.share(value)
 
 
-class SigLIPLoss(nn.Module):
+class SigLIPLoss(HeldOptions):
     """SigLIP's sigmoid loss over the global batch; holds the options of :func:`siglip`.
 
     Args:
-        chunk_size: image rows per block; same result ([chunk_size][option-chunk-size]).
-        group: the process group, default the world ([group][option-group]).
-        reduction: ``"mean"`` or ``"none"``, per-row losses ([reduction][option-reduction]).
-        communication: ``"gather"`` or ``"ring"`` ([communication][option-communication]).
-        same_id: what pairs with the same ``ids`` (given to ``forward``) are: ``"mask"`` or
-            ``"positive"`` ([ids][option-ids]).
+        chunk_size, group, reduction, communication, same_id: as for :func:`siglip`; ``same_id``
+            says what pairs with the same ``ids`` (given to ``forward``) are.
 
     Shape:
-        image_features, text_features: ``(n_r, D)``; logit_scale, logit_bias: ``()``;
-        weight: ``(n_r,)``; output: ``()``, or ``(n_r,)`` with ``reduction="none"``.
+        as for :func:`siglip`.
 
     Example:
         >>> import torch
@@ -199,52 +125,15 @@ class SigLIPLoss(nn.Module):
 
     """
 
-    def __init__(
-        self,
-        *,
-        chunk_size: int | None = None,
-        group: ProcessGroup | None = None,
-        reduction: Reduction = "mean",
-        communication: Communication = "gather",
-        same_id: SameId = "mask",
-    ) -> None:
-        super().__init__()
-        self.chunk_size = check_chunk_size(chunk_size)
-        self.group = group
-        self.reduction = check_reduction(reduction, None)
-        self.communication = check_communication(communication)
-        self.same_id = check_same_id(same_id)
+    def __init__(self, *, chunk_size: int | None = None, group: ProcessGroup | None = None,
+                 reduction: Reduction = "mean", communication: Communication = "gather",
+                 same_id: SameId = "mask") -> None:
+        super().__init__(chunk_size=chunk_size, group=group, reduction=reduction, communication=communication,
+                         same_id=same_id)
 
-    def forward(
-        self,
-        image_features: Tensor,
-        text_features: Tensor,
-        logit_scale: Tensor | float,
-        logit_bias: Tensor | float,
-        *,
-        sizes: Sequence[int] | None = None,
-        weight: Tensor | None = None,
-        ids: Tensor | None = None,
-    ) -> Tensor:
+    def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor | float,
+                logit_bias: Tensor | float, *, sizes: Sequence[int] | None = None, weight: Tensor | None = None,
+                ids: Tensor | None = None) -> Tensor:
         """Return this rank's share of the loss (or its per-row losses); see :func:`siglip`."""
-        return siglip(
-            image_features,
-            text_features,
-            logit_scale,
-            logit_bias,
-            chunk_size=self.chunk_size,
-            group=self.group,
-            sizes=sizes,
-            weight=weight,
-            reduction=self.reduction,
-            communication=self.communication,
-            ids=ids,
-            same_id=self.same_id,
-        )
-
-    def extra_repr(self) -> str:
-        """Show the options in ``repr``."""
-        return (
-            f"chunk_size={self.chunk_size}, reduction={self.reduction!r}, communication={self.communication!r}, "
-            f"same_id={self.same_id!r}"
-        )
+        return siglip(image_features, text_features, logit_scale, logit_bias, sizes=sizes, weight=weight, ids=ids,
+                      **self.options())

@@ -3,55 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, cast
+from typing import cast
 
 import torch
 from einops import rearrange
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist._validation import check_features, collect
-from contrastive_dist.engine._agreement import agree
-from contrastive_dist.losses._columns import meet
-from contrastive_dist.losses._kernel import SOFTMAX, Pairs
-from contrastive_dist.losses._module import TemperatureLoss
-from contrastive_dist.losses._options import (
-    Communication,
-    Reduction,
-    agreed_options,
-    check_chunk_size,
-    check_communication,
-    check_reduction,
-    check_temperature,
-    check_weight,
-    resolve_scale,
-)
-from contrastive_dist.losses._precision import compute_dtype, full_precision, operands
-from contrastive_dist.losses._reduction import Direction, all_reduced, mean_over_directions, mean_share
-from contrastive_dist.losses._targets import SMALL_KEYS, RowTargets, comparable_keys, small_keys_flag
+from contrastive_dist._validation import check_features
+from contrastive_dist.losses._frame import Common, begin
+from contrastive_dist.losses._kernel import SOFTMAX
+from contrastive_dist.losses._module import HeldOptions
+from contrastive_dist.losses._options import Communication, Reduction
+from contrastive_dist.losses._precision import full_precision, operands
+from contrastive_dist.losses._reduction import all_reduced
+from contrastive_dist.losses._targets import RowTargets
 
 __all__ = ["SupConLoss", "supcon"]
 
 
-class _Arguments(NamedTuple):
-    features: Tensor
-    scale: Tensor
-    chunk_size: int | None
-    weights: Tensor | None
-
-
 def supcon(
-    features: Tensor,
-    labels: Tensor,
-    logit_scale: Tensor | float | None = None,
-    *,
-    temperature: float = 0.1,
-    chunk_size: int | None = None,
-    group: ProcessGroup | None = None,
-    sizes: Sequence[int] | None = None,
-    weight: Tensor | None = None,
-    reduction: Reduction = "mean",
-    communication: Communication = "gather",
+    features: Tensor, labels: Tensor, logit_scale: Tensor | float | None = None, *, temperature: float = 0.1,
+    chunk_size: int | None = None, group: ProcessGroup | None = None, sizes: Sequence[int] | None = None,
+    weight: Tensor | None = None, reduction: Reduction = "mean", communication: Communication = "gather",
 ) -> Tensor:
     """SupCon (``L_out``, all views as anchors) over the global batch; exact under data parallelism.
 
@@ -100,13 +74,11 @@ def supcon(
             ([communication][option-communication]).
 
     Returns:
-        ``"mean"``: a scalar, this rank's share of the global loss; ``"none"``: this rank's
-        per-anchor losses. Float32 (float64 for float64 features), gradients in the features'
-        dtype ([compute dtypes][compute-dtypes]).
+        The share of this rank in the mean over anchors with positives, or each anchor's loss
+        (``reduction="none"``; 0 without positives) ([compute dtypes][compute-dtypes]).
 
     Raises:
-        ValueError / TypeError: on every rank, when an input or option is invalid on any rank, or
-            the ranks' inputs or options differ ([checked on every rank][option-agreement]).
+        ValueError / TypeError: on every rank, if any rank's call is wrong ([agreement][option-agreement]).
 
     Shape:
         features: ``(n_r, D)`` or ``(n_r, V, D)``; labels, weight: ``(n_r,)``; logit_scale: ``()``;
@@ -126,60 +98,33 @@ def supcon(
 
     """
 
-    def arguments() -> _Arguments:
+    def own() -> tuple[Tensor]:
         checked = check_features("features", features, ndims=(2, 3))
         _check_labels(labels, checked.shape[0])
-        check_reduction(reduction, weight)
-        check_communication(communication)
-        scale = resolve_scale(logit_scale, check_temperature(temperature), checked)
-        return _Arguments(checked, scale, check_chunk_size(chunk_size), check_weight(weight, checked.shape[0], checked))
+        return (checked,)
 
-    checked, problem = collect(arguments)
-    layout = agree(
-        (features, labels),
-        problem=problem,
-        group=group,
-        operation="supcon",
-        options=agreed_options(
-            chunk_size=chunk_size,
-            communication=communication,
-            reduction=reduction,
-            weight=weight,
-            temperature=temperature,
-            logit_scale=logit_scale,
-        ),
-        sizes=sizes,
-        flags=0 if checked is None else small_keys_flag(labels, compute_dtype(checked.features.dtype)),
-    )
-    features, scale, chunk, weights = cast(_Arguments, checked)
-    views = 1 if features.ndim == 2 else features.shape[1]
-    with full_precision(features.device):
+    common = Common("supcon", logit_scale, temperature, chunk_size, group, sizes, weight, reduction, communication)
+    call = begin(common, own, (features, labels), options={}, keyed=(labels,), total=False)
+    (checked,) = call.own
+    views = 1 if checked.ndim == 2 else checked.shape[1]
+    with full_precision(checked.device):
         # One row per embedding, sample-major: the embedding (sample s, view v) is row s·V + v,
         # of the rows and of its own block's columns; the labels travel with them (as floats when
         # every rank's are small integers: gathered with the embeddings in one collective).
-        embeddings = operands(rearrange(features, "n ... d -> (n ...) d"))
-        small = layout.every_rank_has(SMALL_KEYS)
-        embedding_labels = comparable_keys(labels, scale.dtype, small).repeat_interleave(views)
-        columns = meet(communication, layout, (embeddings, embedding_labels), per_sample=views)
-        keys, key_labels = columns.tensors
-        anchors = torch.arange(embeddings.shape[0], device=features.device)
-        pairs = Pairs(
-            SOFTMAX,
-            RowTargets(excluded=anchors, keys=embedding_labels),  # positives: the other rows of its label
-            columns.transport,
-            chunk,
-            column_keys=key_labels,
-            key_rows=columns.rows,
-        )
-        direction = Direction(embeddings, keys, scale, None, pairs)
-        anchor_weights = None if weights is None else weights.repeat_interleave(views)
-        value, has_positives = mean_over_directions([direction], weights=anchor_weights, per_row=reduction == "none")
-    if reduction == "none":
-        return value.view(features.shape[:-1])  # 0 for an anchor without positives
+        embeddings = operands(rearrange(checked, "n ... d -> (n ...) d"))
+        embedding_labels = cast(Tensor, call.keys(labels)).repeat_interleave(views)
+        columns = call.meet((embeddings, embedding_labels), per_sample=views)
+        anchors = torch.arange(embeddings.shape[0], device=checked.device)
+        # positives: the other rows of its label
+        pairs = call.pairs(SOFTMAX, RowTargets(excluded=anchors, keys=embedding_labels), columns, keyed=True)
+        anchor_weights = None if call.weights is None else call.weights.repeat_interleave(views)
+        value, has_positives = call.pair_sum(embeddings, columns.tensors[0], pairs, weights=anchor_weights)
+    if call.per_row:
+        return value.view(checked.shape[:-1])  # 0 for an anchor without positives
     # The mean runs over the anchors with positives (weighted): a count only the blocks reveal.
     counted = has_positives.to(value.dtype)
-    denominator = all_reduced((counted if anchor_weights is None else counted * anchor_weights).sum(), layout)
-    return mean_share(value, layout, denominator)
+    denominator = all_reduced((counted if anchor_weights is None else counted * anchor_weights).sum(), call.layout)
+    return call.share(value, denominator)
 
 
 def _check_labels(labels: object, batch_size: int) -> None:
@@ -191,19 +136,15 @@ def _check_labels(labels: object, batch_size: int) -> None:
         raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
 
 
-class SupConLoss(TemperatureLoss):
+class SupConLoss(HeldOptions):
     """Supervised contrastive loss over the global batch; holds the options of :func:`supcon`.
 
     Args:
-        temperature: divides the similarities when ``forward`` gets no ``logit_scale``; > 0.
-        chunk_size: anchors per block; same result ([chunk_size][option-chunk-size]).
-        group: the process group, default the world ([group][option-group]).
-        reduction: ``"mean"`` or ``"none"``, per-anchor losses ([reduction][option-reduction]).
-        communication: ``"gather"`` or ``"ring"`` ([communication][option-communication]).
+        temperature, chunk_size, group, reduction, communication: as for :func:`supcon`;
+            ``temperature`` is used when ``forward`` gets no ``logit_scale``.
 
     Shape:
-        features: ``(n_r, D)`` or ``(n_r, V, D)``; labels, weight: ``(n_r,)``; logit_scale: ``()``;
-        output: ``()``, or ``(n_r,)`` / ``(n_r, V)`` with ``reduction="none"``.
+        as for :func:`supcon`.
 
     Example:
         >>> import torch
@@ -215,42 +156,12 @@ class SupConLoss(TemperatureLoss):
 
     """
 
-    def __init__(
-        self,
-        *,
-        temperature: float = 0.1,
-        chunk_size: int | None = None,
-        group: ProcessGroup | None = None,
-        reduction: Reduction = "mean",
-        communication: Communication = "gather",
-    ) -> None:
-        super().__init__(
-            temperature=temperature,
-            chunk_size=chunk_size,
-            group=group,
-            reduction=reduction,
-            communication=communication,
-        )
+    def __init__(self, *, temperature: float = 0.1, chunk_size: int | None = None, group: ProcessGroup | None = None,
+                 reduction: Reduction = "mean", communication: Communication = "gather") -> None:
+        super().__init__(temperature=temperature, chunk_size=chunk_size, group=group, reduction=reduction,
+                         communication=communication)
 
-    def forward(
-        self,
-        features: Tensor,
-        labels: Tensor,
-        logit_scale: Tensor | float | None = None,
-        *,
-        sizes: Sequence[int] | None = None,
-        weight: Tensor | None = None,
-    ) -> Tensor:
+    def forward(self, features: Tensor, labels: Tensor, logit_scale: Tensor | float | None = None, *,
+                sizes: Sequence[int] | None = None, weight: Tensor | None = None) -> Tensor:
         """Return this rank's share of the loss (or its per-anchor losses); see :func:`supcon`."""
-        return supcon(
-            features,
-            labels,
-            logit_scale,
-            temperature=self.temperature,
-            chunk_size=self.chunk_size,
-            group=self.group,
-            sizes=sizes,
-            weight=weight,
-            reduction=self.reduction,
-            communication=self.communication,
-        )
+        return supcon(features, labels, logit_scale, sizes=sizes, weight=weight, **self.options())
