@@ -27,11 +27,13 @@ from contrastive_dist.engine._faults import PeerFailureError
 from contrastive_dist.engine.collectives import copy_to_group, gather_from_group, reduce_from_group, scatter_to_group
 from contrastive_dist.engine.gather import Gathered, GatheredMany, all_gather, all_gather_many
 from contrastive_dist.losses import (
+    DCLLoss,
     DistributedInfoNCE,
     NTXentLoss,
     SharedNegatives,
     SigLIPLoss,
     SupConLoss,
+    dcl,
     info_nce,
     nt_xent,
     siglip,
@@ -63,10 +65,12 @@ __all__ = [
     "NTXentLoss",
     "SigLIPLoss",
     "SupConLoss",
+    "DCLLoss",
     "info_nce",
     "nt_xent",
     "siglip",
     "supcon",
+    "dcl",
     "SharedNegatives",
     "DistributedMemoryQueue",
     "retrieval_accuracy",

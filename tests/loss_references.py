@@ -16,9 +16,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist import SharedNegatives, info_nce, nt_xent, siglip, supcon
+from contrastive_dist import SharedNegatives, dcl, info_nce, nt_xent, siglip, supcon
 
-KINDS = ("clip", "clip_one_way", "ntxent", "ntxent_scale", "siglip", "supcon", "supcon_views", "supcon_views_scale")
+KINDS = ("clip", "clip_one_way", "ntxent", "ntxent_scale", "siglip", "supcon", "supcon_views", "supcon_views_scale",
+         "dcl", "dclw")
+DCLW_SIGMA = 0.5
 """``*_scale``: the loss gets the learnable ``logit_scale`` instead of its fixed temperature."""
 MODES = ("mean", "weighted", "none")
 """``weighted``: ``weight=``; ``none``: ``reduction="none"``, differentiated through ``Σ u_i ℓ_i`` (random ``u``)."""
@@ -69,6 +71,27 @@ def ntxent_rows(z1: Tensor, z2: Tensor, scale: Tensor | float, ids: Tensor | Non
         logits = [scale * z[a] @ z[j] for j in range(2 * count)]
         positives, masked = _targets(a, (a + count) % (2 * count), 2 * count, both_ids, both_ids, same_id)
         anchors.append(_softmax_row(logits, [p for p in positives if p != a], masked + [a]))  # never itself
+    return torch.stack([(anchors[i] + anchors[i + count]) / 2 for i in range(count)]) if count else z1.sum(1) * 0
+
+
+def dcl_rows(z1: Tensor, z2: Tensor, scale: Tensor, sigma: float | None = None, ids: Tensor | None = None) -> Tensor:
+    """Each sample's DCL loss: its two anchors' mean of ``−v l_{a,a'} + logsumexp`` over the other samples' views."""
+    z = torch.cat([F.normalize(z1, dim=-1), F.normalize(z2, dim=-1)])
+    count = z1.shape[0]
+    cosines = [z[i] @ z[i + count] for i in range(count)]
+    weights = [1.0] * count
+    if sigma is not None and count:  # DCLW: the von Mises-Fisher weight over the whole batch, detached
+        soft = torch.softmax(torch.stack(cosines).detach() / sigma, dim=0)
+        weights = [2 - count * soft[i] for i in range(count)]
+    anchors = []
+    for a in range(2 * count):
+        own = a % count
+        negatives = [scale * z[a] @ z[j] for j in range(2 * count)
+                     if j % count != own and not _same(ids, own, ids, j % count)]
+        if not negatives:  # no negative: no loss
+            anchors.append(z1.sum() * 0)
+            continue
+        anchors.append(torch.logsumexp(torch.stack(negatives), 0) - weights[own] * scale * cosines[own])
     return torch.stack([(anchors[i] + anchors[i + count]) / 2 for i in range(count)]) if count else z1.sum(1) * 0
 
 
@@ -176,6 +199,9 @@ def reference_rows(kind: str, params: dict[str, Tensor], data: dict[str, Tensor]
         return ntxent_rows(data["x_image"] @ params["w_image"], data["x_text"] @ params["w_text"], fixed, ids, same_id)
     if family == "siglip":
         return siglip_rows(images, texts, fixed, params["bias"], ids, same_id)
+    if family in ("dcl", "dclw"):  # ids: not negatives, whatever same_id says (DCL has one meaning)
+        sigma = DCLW_SIGMA if family == "dclw" else None
+        return dcl_rows(data["x_image"] @ params["w_image"], data["x_text"] @ params["w_text"], fixed, sigma, ids)
     return supcon_rows(_views(kind, images, texts), data["labels"], fixed)[0]
 
 
@@ -231,6 +257,10 @@ def package_value(
         return nt_xent(raw_1, raw_2, scale, temperature=TEMPERATURE["ntxent"], **options)
     if family == "siglip":
         return siglip(images, texts, scale, params["bias"], **options)
+    if family in ("dcl", "dclw"):
+        options.pop("same_id", None)
+        raw_1, raw_2 = data["x_image"] @ params["w_image"], data["x_text"] @ params["w_text"]
+        return dcl(raw_1, raw_2, scale, sigma=DCLW_SIGMA if family == "dclw" else None, **options)
     return supcon(_views(kind, images, texts), data["labels"], scale, temperature=TEMPERATURE["supcon"], **options)
 
 

@@ -17,17 +17,20 @@ A loss is a function of this rank's rows against every rank's columns, met block
 """
 
 from contrastive_dist.losses._negatives import SharedNegatives
+from contrastive_dist.losses.dcl import DCLLoss, dcl
 from contrastive_dist.losses.infonce import DistributedInfoNCE, info_nce
 from contrastive_dist.losses.ntxent import NTXentLoss, nt_xent
 from contrastive_dist.losses.siglip import SigLIPLoss, siglip
 from contrastive_dist.losses.supcon import SupConLoss, supcon
 
 __all__ = [
+    "DCLLoss",
     "DistributedInfoNCE",
     "NTXentLoss",
     "SharedNegatives",
     "SigLIPLoss",
     "SupConLoss",
+    "dcl",
     "info_nce",
     "nt_xent",
     "siglip",

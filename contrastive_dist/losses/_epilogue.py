@@ -20,7 +20,7 @@ import os
 import torch
 from torch import Tensor
 
-from contrastive_dist.losses._kernel import SIGMOID, Family, Pairs
+from contrastive_dist.losses._kernel import DECOUPLED, SIGMOID, Family, Pairs
 from contrastive_dist.losses._precision import product
 
 __all__ = ["column_indices", "fused", "gradient", "raw_product", "row_indices", "row_state"]
@@ -31,8 +31,8 @@ _EPILOGUE_VARIABLE = "CONTRASTIVE_DIST_EPILOGUE"  # read here too, so that CPU r
 
 def fused(pairs: Pairs, queries: Tensor, keys: Tensor) -> bool:
     """Whether ``pairs``' blocks of ``queries`` against ``keys`` take the fused epilogue."""
-    if pairs.rows.keys is not None or queries.dtype != keys.dtype:
-        return False  # key masks, or a block held in another dtype (a float32 queue): the eager chain
+    if pairs.rows.keys is not None or queries.dtype != keys.dtype or pairs.family is DECOUPLED:
+        return False  # key masks, a block held in another dtype (a float32 queue), DCL: the eager chain
     if queries.dtype not in (torch.float32, torch.bfloat16):
         return False
     if not queries.is_cuda and os.environ.get(_EPILOGUE_VARIABLE) != "triton":

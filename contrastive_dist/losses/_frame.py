@@ -97,11 +97,15 @@ class Call(Generic[Own]):
         """Whether the loss returns its rows' losses (``reduction="none"``)."""
         return self.common.reduction == "none"
 
-    def keys(self, keys: Tensor | None) -> Tensor | None:
-        """``keys`` (ids, labels) as the kernel compares them: floats where every rank's are small integers."""
+    def keys(self, keys: Tensor | None, *, small: bool = True) -> Tensor | None:
+        """``keys`` (ids, labels) as the kernel compares them: floats where every rank's are small integers.
+
+        ``small``: what the caller knows of keys the agreement did not see (sample indices: their count).
+        """
         if keys is None:
             return None
-        return comparable_keys(keys, self.scale.dtype, self.layout.every_rank_has(SMALL_KEYS))
+        every_rank_small = small and self.layout.every_rank_has(SMALL_KEYS)
+        return comparable_keys(keys, self.scale.dtype, every_rank_small)
 
     def meet(self, own: Sequence[Tensor | None], *, per_sample: int = 1) -> Columns:
         """The columns of this rank's ``own`` (features first, then what travels with them; ``None``: left out)."""

@@ -26,12 +26,13 @@ import torch
 from torch import Tensor
 
 from contrastive_dist.engine._ring import Block
-from contrastive_dist.losses import _sigmoid, _softmax
+from contrastive_dist.losses import _decoupled, _sigmoid, _softmax
 from contrastive_dist.losses._columns import Transport
 from contrastive_dist.losses._precision import add_product_, full_precision, product, upcast
 from contrastive_dist.losses._targets import RowTargets, Targets
 
 __all__ = [
+    "DECOUPLED",
     "LOCAL",
     "SIGMOID",
     "SOFTMAX",
@@ -77,13 +78,17 @@ def _family(module: Any) -> Family:
 
 
 SOFTMAX, SIGMOID = _family(_softmax), _family(_sigmoid)
+DECOUPLED = SOFTMAX._replace(
+    finish=_decoupled.finish, has_positive=_decoupled.has_positive, gradient_=_decoupled.gradient_
+)
+"""The softmax family with the positives out of the sum (DCL): see :mod:`._decoupled`."""
 
 
 class Pairs(NamedTuple):
     """Everything of one kernel call that is not differentiated.
 
     Attributes:
-        family: :data:`SOFTMAX` or :data:`SIGMOID`.
+        family: :data:`SOFTMAX`, :data:`DECOUPLED` or :data:`SIGMOID`.
         rows: where the rows' positives and excluded columns sit in their own rank's block, their keys.
         transport: which blocks the rows meet.
         chunk: rows per logit block; ``None``: chosen from the block's shape (:func:`default_chunk`).

@@ -7,6 +7,7 @@ raised on every rank by the agreement exchange.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Literal, cast, get_args
 
@@ -24,8 +25,10 @@ __all__ = [
     "check_chunk_size",
     "check_communication",
     "check_ids",
+    "check_positive_weight",
     "check_reduction",
     "check_same_id",
+    "check_sigma",
     "check_temperature",
     "check_weight",
     "positive_scalar",
@@ -201,3 +204,29 @@ def check_ids(name: str, ids: object, rows: int, like: Tensor) -> Tensor | None:
     if ids.shape != (rows,):
         raise ValueError(f"{name} must have one id per row, shape ({rows},), got {tuple(ids.shape)}")
     return ids.to(like.device)
+
+
+def check_sigma(sigma: object, positive_weight: object = None) -> float | None:
+    """DCLW's ``σ``: ``None`` or a number > 0, not together with a given ``positive_weight``."""
+    if sigma is None:
+        return None
+    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma <= 0:
+        raise ValueError(f"sigma must be a finite number > 0 or None, got {sigma!r}")
+    if positive_weight is not None:
+        raise ValueError("give sigma (DCLW's von Mises-Fisher weights) or positive_weight, not both")
+    return float(sigma)
+
+
+def check_positive_weight(positive_weight: object, like: Tensor) -> Tensor | None:
+    """``None``, or a float tensor of ``(n,)`` (per sample) or ``(n, 2)`` (per anchor), moved to ``like``'s device."""
+    if positive_weight is None:
+        return None
+    rows = like.shape[0]
+    if not isinstance(positive_weight, Tensor) or not positive_weight.is_floating_point():
+        raise TypeError(f"positive_weight must be a floating-point torch.Tensor, got {type(positive_weight).__name__}"
+                        f"{'' if not isinstance(positive_weight, Tensor) else f' of {positive_weight.dtype}'}")
+    if tuple(positive_weight.shape) not in ((rows,), (rows, 2)):
+        shape = tuple(positive_weight.shape)
+        raise ValueError(f"positive_weight must have shape ({rows},) or ({rows}, 2), got {shape}")
+    weights = positive_weight.to(device=like.device, dtype=compute_dtype(like.dtype))
+    return weights if weights.ndim == 2 else weights[:, None]

@@ -99,7 +99,7 @@ def nt_xent(
     call = begin(common, own, (z1, z2), options={})
     first, second = call.own
     with full_precision(first.device):
-        views, keys, anchor_weights = two_views(call, first, second)
+        views, keys, anchor_weights = two_views(call, first, second, call.keys(call.ids))
         columns = call.meet((views, keys), per_sample=2)
         anchors = torch.arange(views.shape[0], device=views.device)
         targets = pair_targets(anchors ^ 1, excluded=anchors, keys=keys, same_id=same_id)  # the other view; not itself
@@ -109,17 +109,18 @@ def nt_xent(
     return value.view(-1, 2).mean(dim=1) if call.per_row else call.share(value * 0.5)
 
 
-def two_views(call: Call[Any], first: Tensor, second: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+def two_views(
+    call: Call[Any], first: Tensor, second: Tensor, keys: Tensor | None
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Two views as anchors, sample-major (sample ``i``'s views: rows ``2i``, ``2i + 1``), their keys and weights.
 
     Normalised in the core's dtype, so bf16/fp16 inputs lose nothing to a rounded unit vector; both
-    views of a sample carry its id and its weight.
+    views of a sample carry its key (one per sample, as compared) and its weight.
 
     Shape:
-        first, second: ``(n_r, D)``; output: ``(2 n_r, D)``, ``(2 n_r,)``, ``(2 n_r,)``.
+        first, second: ``(n_r, D)``; keys: ``(n_r,)``; output: ``(2 n_r, D)``, ``(2 n_r,)``, ``(2 n_r,)``.
     """
     views = F.normalize(upcast(torch.stack((first, second), dim=1)), dim=-1).flatten(0, 1)
-    keys = call.keys(call.ids)
     keys = None if keys is None else keys.repeat_interleave(2)
     weights = None if call.weights is None else call.weights.repeat_interleave(2)
     return views, keys, weights
