@@ -35,6 +35,11 @@ class ColumnEncoder(nn.Sequential):
         return {"sentence_embedding": features["x"] @ self.weight}
 
 
+def squared_distance(first: Tensor, second: Tensor) -> Tensor:
+    """A ``weight_fn`` for lightly's ``DCLLoss`` (its docstring's example): differentiable, symmetric."""
+    return ((first - second) ** 2).sum(dim=1)
+
+
 def problem(total: int, dtype: torch.dtype, seed: int = 0, columns: int = 2) -> dict[str, Tensor]:
     """Raw rows (``steps`` batches of ``total``) and initial weights, drawn from ``seed``."""
     generator = torch.Generator().manual_seed(seed)
@@ -60,16 +65,18 @@ def make(kind: str, which: str, options: dict[str, Any], data: dict[str, Tensor]
         if kind in ("clip", "siglip"):
             from open_clip import loss as oc
             return oc.ClipLoss(**options) if kind == "clip" else oc.SigLipLoss(**options)
-        if kind == "ntxent":
-            from lightly.loss import NTXentLoss
-            return NTXentLoss(**options)
+        if kind in ("ntxent", "dcl", "dclw"):
+            from lightly import loss as lightly_loss
+            originals = {"ntxent": lightly_loss.NTXentLoss, "dcl": lightly_loss.DCLLoss, "dclw": lightly_loss.DCLWLoss}
+            return originals[kind](**options)
         from sentence_transformers.sentence_transformer import losses as st_losses
         cls = st_losses.MultipleNegativesRankingLoss if kind == "mnrl" else st_losses.CachedMultipleNegativesRankingLoss
         return cls(ColumnEncoder(data["w0"]), **options)
     if kind in ("clip", "siglip"):
         return compat_open_clip.ClipLoss(**options) if kind == "clip" else compat_open_clip.SigLipLoss(**options)
-    if kind == "ntxent":
-        return compat_lightly.NTXentLoss(**options)
+    if kind in ("ntxent", "dcl", "dclw"):
+        drop_ins = {"ntxent": compat_lightly.NTXentLoss, "dcl": compat_lightly.DCLLoss, "dclw": compat_lightly.DCLWLoss}
+        return drop_ins[kind](**options)
     cls = compat_st.MultipleNegativesRankingLoss if kind == "mnrl" else compat_st.CachedMultipleNegativesRankingLoss
     return cls(ColumnEncoder(data["w0"]), **options)
 
@@ -86,7 +93,7 @@ def loss_and_grads(kind: str, loss: nn.Module, data: dict[str, Tensor], start: i
         rows = [data[f"x{c}"][step, start:stop] for c in range(sum(key.startswith("x") for key in data))]
         if kind in ("mnrl", "cached_mnrl"):
             value = loss([{"x": x} for x in rows], torch.zeros(len(rows[0])))
-        elif kind == "ntxent":
+        elif kind in ("ntxent", "dcl", "dclw"):
             value = loss(rows[0] @ params["w0"], rows[1] @ params["w1"])
         else:
             images = F.normalize(rows[0] @ params["w0"], dim=-1)
@@ -98,7 +105,7 @@ def loss_and_grads(kind: str, loss: nn.Module, data: dict[str, Tensor], start: i
                 value = value["contrastive_loss"]
         value.backward()
         values.append(value.detach())
-    used = ("w0",) if kind in ("mnrl", "cached_mnrl") else ("w0", "w1") if kind == "ntxent" else (
+    used = ("w0",) if kind in ("mnrl", "cached_mnrl") else ("w0", "w1") if kind in ("ntxent", "dcl", "dclw") else (
         "w0", "w1", "scale", *(("bias",) if kind == "siglip" else ()))
     return values, {name: params[name].grad.detach().clone() for name in used}
 

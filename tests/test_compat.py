@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from compat_cases import WIDTH, loss_and_grads, make, problem, tolerance
+from compat_cases import WIDTH, loss_and_grads, make, problem, squared_distance, tolerance
 
 from contrastive_dist.compat.lightly import NTXentLoss
 from contrastive_dist.compat.open_clip import ClipLoss, SigLipLoss
@@ -26,6 +26,10 @@ CLIP = [dict(local_loss=a, gather_with_grad=b, cache_labels=c) for a, b, c in it
 SIGLIP = [dict(dist_impl=d, cache_labels=c) for d in (None, "bidir", "shift", "reduce", "gather") for c in FLAGS]
 NTXENT = [dict(temperature=t, memory_bank_size=m, gather_distributed=g)
           for t in (0.1, 0.5) for m in (0, (16, WIDTH)) for g in (False, True)]
+DCL = [("dcl", dict(temperature=t, weight_fn=w, gather_distributed=g))
+       for t in (0.1, 0.5) for w in (None, squared_distance) for g in FLAGS]
+DCL += [("dclw", dict(temperature=t, sigma=s, gather_distributed=g))
+        for t in (0.1, 0.5) for s in (0.5, 1.0) for g in FLAGS]
 DIRECTIONS = [("query_to_doc",), ("query_to_doc", "doc_to_query"), ("query_to_doc", "query_to_query"),
               ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")]
 MNRL = [dict(directions=d, partition_mode=p, similarity_fct=s)
@@ -33,13 +37,13 @@ MNRL = [dict(directions=d, partition_mode=p, similarity_fct=s)
         if not (p == "per_direction" and set(d) & {"query_to_query", "doc_to_doc"})]
 MNRL += [dict(hardness_mode=h, hardness_strength=0.5, gather_across_devices=True)
          for h in ("in_batch_negatives", "hard_negatives", "all_negatives")]
-CASES = ([("clip", o) for o in CLIP] + [("siglip", o) for o in SIGLIP] + [("ntxent", o) for o in NTXENT]
+CASES = ([("clip", o) for o in CLIP] + [("siglip", o) for o in SIGLIP] + [("ntxent", o) for o in NTXENT] + DCL
          + [("mnrl", o) for o in MNRL] + [("cached_mnrl", {**o, "mini_batch_size": m})
                                            for o, m in zip(MNRL[::3], itertools.cycle((1, 3, 32)))])
 
 
 def _id(case: tuple[str, dict[str, Any]]) -> str:
-    return case[0] + "-" + "-".join(f"{k}={v}" for k, v in case[1].items())
+    return case[0] + "-" + "-".join(f"{k}={getattr(v, '__name__', v)}" for k, v in case[1].items())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

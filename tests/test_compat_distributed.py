@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from compat_cases import WIDTH, loss_and_grads, make, problem
+from compat_cases import WIDTH, loss_and_grads, make, problem, squared_distance
 
 from contrastive_dist.testing import WorkerPool
 
@@ -26,6 +26,9 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("siglip", {"dist_impl": "gather"}),
     ("ntxent", {"temperature": 0.2, "gather_distributed": True}),
     ("ntxent", {"temperature": 0.2, "memory_bank_size": (16, WIDTH), "gather_distributed": True}),
+    ("dcl", {"temperature": 0.2, "gather_distributed": True}),
+    ("dcl", {"temperature": 0.2, "weight_fn": squared_distance, "gather_distributed": True}),
+    ("dclw", {"temperature": 0.2, "sigma": 0.5, "gather_distributed": True}),
     ("mnrl", {"gather_across_devices": True}),
     ("mnrl", {"gather_across_devices": True, "partition_mode": "joint", "hardness_mode": "all_negatives",
               "hardness_strength": 0.3,

@@ -1,11 +1,11 @@
-"""lightly's ``NTXentLoss``, with lightly 1.6's signature, on this package's exact losses.
+"""lightly's ``NTXentLoss``, ``DCLLoss`` and ``DCLWLoss``, with lightly 1.6's signatures, on the exact losses.
 
 In a training script written for lightly, change one line::
 
     from lightly.loss import NTXentLoss                      # before
     from contrastive_dist.compat.lightly import NTXentLoss   # after
 
-lightly's ``DCLLoss`` and ``DCLWLoss`` are not here yet. With ``gather_distributed=True`` lightly
+With ``gather_distributed=True`` lightly
 gathers into buffers sized like the local batch and offsets labels by ``rank * batch_size``: it
 needs the same batch size on every rank, and its mean over local rows makes DDP's average the
 global gradient only when the sizes are equal. Here the loss follows the
@@ -14,7 +14,7 @@ global gradient only when the sizes are equal. Here the loss follows the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,10 +23,10 @@ from torch import Tensor, nn
 
 from contrastive_dist.compat._groups import loss_group
 from contrastive_dist.engine.gather import all_gather
-from contrastive_dist.losses import SharedNegatives, info_nce, nt_xent
+from contrastive_dist.losses import SharedNegatives, dcl, info_nce, nt_xent
 from contrastive_dist.queue import DistributedMemoryQueue
 
-__all__ = ["NTXentLoss"]
+__all__ = ["DCLLoss", "DCLWLoss", "NTXentLoss"]
 
 
 def _bank_shape(memory_bank_size: int | Sequence[int]) -> tuple[int, int] | None:
@@ -124,3 +124,79 @@ class NTXentLoss(nn.Module):
             own = bank.memory if dist.get_rank() == 0 else bank.memory[:0]
             with torch.no_grad():
                 bank.memory.copy_(all_gather(own.contiguous()).tensor)
+
+
+class DCLLoss(nn.Module):
+    """Decoupled contrastive learning with lightly's ``DCLLoss`` signature, on :func:`~contrastive_dist.dcl`.
+
+    Same as lightly: the arguments, ``forward(out0, out1)`` (both L2-normalised inside), ``weight_fn``
+    called as lightly calls it (``weight_fn(out0, out1)`` for ``out0``'s anchors, ``weight_fn(out1,
+    out0)`` for ``out1``'s, on the normalised rows of this rank), the value and gradients on one process.
+
+    Different: ``gather_distributed=True`` gives the loss of the global batch for any per-rank batch
+    sizes (lightly needs equal ones); an anchor with no negative (a global batch of one sample) has
+    loss 0 where lightly's is ``-inf``; a temperature ≤ 0 is refused.
+
+    One line to change: ``from contrastive_dist.compat.lightly import DCLLoss``.
+
+    Args:
+        temperature: the softmax temperature, > 0.
+        weight_fn: ``(out0, out1) -> (n,)`` the positive term's weight per sample, or ``None`` (1).
+        gather_distributed: the global batch's negatives across ranks, or each rank's own.
+
+    Shape:
+        out0, out1: ``(n_r, D)``; output: ``()``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_dist.compat.lightly import DCLLoss
+        >>> out0, out1 = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+        >>> DCLLoss(temperature=0.1, gather_distributed=True)(out0, out1).backward()
+    """
+
+    def __init__(
+        self,
+        temperature: float = 0.1,
+        weight_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+        gather_distributed: bool = False,
+    ) -> None:
+        super().__init__()
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.temperature, self.weight_fn, self.gather_distributed = float(temperature), weight_fn, gather_distributed
+        self.sigma: float | None = None
+
+    def forward(self, out0: Tensor, out1: Tensor) -> Tensor:
+        """The loss of this rank's pairs against every rank's (or this rank's alone)."""
+        group = loss_group(self.gather_distributed)
+        weights = None
+        if self.weight_fn is not None:
+            first, second = F.normalize(out0, dim=1), F.normalize(out1, dim=1)
+            weights = torch.stack((self.weight_fn(first, second), self.weight_fn(second, first)), dim=1)
+        return dcl(out0, out1, temperature=self.temperature, sigma=self.sigma, positive_weight=weights, group=group)
+
+
+class DCLWLoss(DCLLoss):
+    """DCLW with lightly's ``DCLWLoss`` signature: :class:`DCLLoss` with the von Mises–Fisher weight.
+
+    Same as lightly on one process. Different: the weight ``2 − N · softmax(cos / σ)`` runs over the
+    ``N`` samples of the global batch with ``gather_distributed=True`` (lightly's over each rank's
+    batch), so that the loss is the single-process loss of the global batch.
+
+    Args:
+        temperature: the softmax temperature, > 0.
+        sigma: the weight's ``σ`` > 0.
+        gather_distributed: the global batch across ranks, or each rank's own.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_dist.compat.lightly import DCLWLoss
+        >>> out0, out1 = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+        >>> DCLWLoss(temperature=0.1, sigma=0.5)(out0, out1).backward()
+    """
+
+    def __init__(self, temperature: float = 0.1, sigma: float = 0.5, gather_distributed: bool = False) -> None:
+        super().__init__(temperature=temperature, gather_distributed=gather_distributed)
+        if not sigma > 0:
+            raise ValueError(f"sigma must be > 0, got {sigma}")
+        self.sigma = float(sigma)
