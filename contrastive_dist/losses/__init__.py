@@ -2,10 +2,13 @@
 
 A loss is a function of this rank's rows against every rank's columns, met block by block:
 
-* ``infonce.py``, ``ntxent.py``, ``siglip.py``, ``supcon.py`` — each loss, in one file: its checks,
-  its rows' targets (positives, excluded columns, keys) and its reduction;
-* ``_softmax.py``, ``_sigmoid.py`` — the two families' block kernel: a row's state across column
-  blocks, merged exactly, and a block's logit gradient;
+* ``infonce.py``, ``ntxent.py``, ``siglip.py``, ``supcon.py``, ``dcl.py`` — each loss, in one file:
+  its own checks and options, then its formula (family, rows, columns, targets, directions);
+* ``_frame.py`` — what every loss does around its formula, once: the common checks, the agreement,
+  meeting the columns, the kernel call and the contract's reduction; ``_module.py``: the modules'
+  held options;
+* ``_softmax.py``, ``_decoupled.py``, ``_sigmoid.py`` — the families' block kernel: a row's state across
+  column blocks, merged exactly, and a block's logit gradient;
 * ``_fused.py`` (gradients formed in forward, every column in one block) and ``_recomputed.py``
   (any blocks, recomputed in backward) — the passes that run a family over the blocks, with one
   shared accumulation of the inputs' gradients (``_kernel.py``);

@@ -163,9 +163,9 @@ def info_nce(
 class DistributedInfoNCE(HeldOptions):
     """CLIP loss over the global batch; holds the options of :func:`info_nce`.
 
-    Args:
-        temperature, symmetric, chunk_size, group, reduction, communication, same_id: as for
-            :func:`info_nce`; ``temperature`` is used when ``forward`` gets no ``logit_scale``.
+    ``temperature``, ``symmetric``, ``chunk_size``, ``group``, ``reduction``, ``communication`` and
+    ``same_id`` mean what they mean for :func:`info_nce`, checked here; ``temperature`` applies when
+    ``forward`` gets no ``logit_scale``.
 
     Shape:
         as for :func:`info_nce`.

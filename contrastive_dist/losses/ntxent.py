@@ -129,9 +129,8 @@ def two_views(
 class NTXentLoss(HeldOptions):
     """SimCLR's NT-Xent loss over the global batch; holds the options of :func:`nt_xent`.
 
-    Args:
-        temperature, chunk_size, group, reduction, communication, same_id: as for :func:`nt_xent`;
-            ``temperature`` is used when ``forward`` gets no ``logit_scale``.
+    The options (``temperature``, ``chunk_size``, ``group``, ``reduction``, ``communication``,
+    ``same_id``) are :func:`nt_xent`'s, checked when the module is made.
 
     Shape:
         as for :func:`nt_xent`.

@@ -109,9 +109,8 @@ def siglip(
 class SigLIPLoss(HeldOptions):
     """SigLIP's sigmoid loss over the global batch; holds the options of :func:`siglip`.
 
-    Args:
-        chunk_size, group, reduction, communication, same_id: as for :func:`siglip`; ``same_id``
-            says what pairs with the same ``ids`` (given to ``forward``) are.
+    Held: ``chunk_size``, ``group``, ``reduction``, ``communication`` and ``same_id`` (what pairs with
+    the same ``ids``, given to ``forward``, are), as :func:`siglip` takes them.
 
     Shape:
         as for :func:`siglip`.

@@ -139,9 +139,8 @@ def _check_labels(labels: object, batch_size: int) -> None:
 class SupConLoss(HeldOptions):
     """Supervised contrastive loss over the global batch; holds the options of :func:`supcon`.
 
-    Args:
-        temperature, chunk_size, group, reduction, communication: as for :func:`supcon`;
-            ``temperature`` is used when ``forward`` gets no ``logit_scale``.
+    With :func:`supcon`'s ``temperature`` (used without a ``logit_scale``), ``chunk_size``, ``group``,
+    ``reduction`` and ``communication``, each checked when the module is made.
 
     Shape:
         as for :func:`supcon`.
