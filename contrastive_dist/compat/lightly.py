@@ -29,6 +29,13 @@ from contrastive_dist.queue import DistributedMemoryQueue
 __all__ = ["DCLLoss", "DCLWLoss", "NTXentLoss"]
 
 
+def _positive(name: str, value: float) -> float:
+    """``value`` as a float, after lightly's check that it is > 0 (a ``ValueError`` otherwise)."""
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return float(value)
+
+
 def _bank_shape(memory_bank_size: int | Sequence[int]) -> tuple[int, int] | None:
     """``None`` for no bank, else ``(num_features, dim)``; lightly's checks, as ``ValueError``."""
     shape = (memory_bank_size,) if isinstance(memory_bank_size, int) else tuple(memory_bank_size)
@@ -85,9 +92,7 @@ class NTXentLoss(nn.Module):
         gather_distributed: bool = False,
     ) -> None:
         super().__init__()
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        self.temperature, self.gather_distributed = float(temperature), gather_distributed
+        self.temperature, self.gather_distributed = _positive("temperature", temperature), gather_distributed
         shape = _bank_shape(memory_bank_size)
         self.memory_bank: DistributedMemoryQueue | None = None
         self._bank_shared = False
@@ -145,7 +150,7 @@ class DCLLoss(nn.Module):
         gather_distributed: the global batch's negatives across ranks, or each rank's own.
 
     Shape:
-        out0, out1: ``(n_r, D)``; output: ``()``.
+        out0, out1: ``(n_r, D)``, rows of the same sample paired; output: ``()``.
 
     Example:
         >>> import torch
@@ -154,16 +159,11 @@ class DCLLoss(nn.Module):
         >>> DCLLoss(temperature=0.1, gather_distributed=True)(out0, out1).backward()
     """
 
-    def __init__(
-        self,
-        temperature: float = 0.1,
-        weight_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
-        gather_distributed: bool = False,
-    ) -> None:
+    def __init__(self, temperature: float = 0.1, weight_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+                 gather_distributed: bool = False) -> None:
         super().__init__()
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        self.temperature, self.weight_fn, self.gather_distributed = float(temperature), weight_fn, gather_distributed
+        self.temperature, self.weight_fn = _positive("temperature", temperature), weight_fn
+        self.gather_distributed = gather_distributed
         self.sigma: float | None = None
 
     def forward(self, out0: Tensor, out1: Tensor) -> Tensor:
@@ -197,6 +197,4 @@ class DCLWLoss(DCLLoss):
 
     def __init__(self, temperature: float = 0.1, sigma: float = 0.5, gather_distributed: bool = False) -> None:
         super().__init__(temperature=temperature, gather_distributed=gather_distributed)
-        if not sigma > 0:
-            raise ValueError(f"sigma must be > 0, got {sigma}")
-        self.sigma = float(sigma)
+        self.sigma = _positive("sigma", sigma)

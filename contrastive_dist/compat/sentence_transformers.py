@@ -100,12 +100,10 @@ class MultipleNegativesRankingLoss(nn.Module):
     Example:
         >>> import torch
         >>> from contrastive_dist.compat.sentence_transformers import MultipleNegativesRankingLoss
-        >>> class Encoder(torch.nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.embed = torch.nn.EmbeddingBag(50, 8)
+        >>> embed = torch.nn.EmbeddingBag(50, 8)
+        >>> class Encoder(torch.nn.Module):  # the model's interface: features in, a dict out
         ...     def forward(self, features):
-        ...         return {"sentence_embedding": self.embed(features["input_ids"])}
+        ...         return {"sentence_embedding": embed(features["input_ids"])}
         >>> model = Encoder()
         >>> anchors, positives = {"input_ids": torch.randint(50, (4, 6))}, {"input_ids": torch.randint(50, (4, 6))}
         >>> loss = MultipleNegativesRankingLoss(model, directions=("query_to_doc", "doc_to_query"))

@@ -93,14 +93,8 @@ class OneBlock(NamedTuple):
         """Values of this rank's own columns → the block's: every rank's, gathered (one small exchange)."""
         return _gathered(values, tuple(counts), self.rank, self.group)
 
-    def run(
-        self,
-        block: Block,
-        rows: Sequence[Sequence[int]],
-        visit: Visit,
-        new_accumulator: NewAccumulator | None = None,
-        merge_: Merge = Tensor.add_,
-    ) -> Tensor | None:
+    def run(self, block: Block, rows: Sequence[Sequence[int]], visit: Visit,
+            new_accumulator: NewAccumulator | None = None, merge_: Merge = Tensor.add_) -> Tensor | None:
         """Visit the one block; return its accumulator (``rows`` is unused: nothing is received)."""
         accumulator = None if new_accumulator is None else new_accumulator(EVERY_RANK)
         visit(EVERY_RANK, block, accumulator)
@@ -132,14 +126,8 @@ class RingBlocks(NamedTuple):
         """The own block's columns are this rank's own: they travel with it."""
         return values
 
-    def run(
-        self,
-        block: Block,
-        rows: Sequence[Sequence[int]],
-        visit: Visit,
-        new_accumulator: NewAccumulator | None = None,
-        merge_: Merge = Tensor.add_,
-    ) -> Tensor | None:
+    def run(self, block: Block, rows: Sequence[Sequence[int]], visit: Visit,
+            new_accumulator: NewAccumulator | None = None, merge_: Merge = Tensor.add_) -> Tensor | None:
         """Pass every rank's block round the ring; return this rank's accumulator, home with every contribution.
 
         ``rows[t][owner]``: the number of rows of the block's ``t``-th tensor on rank ``owner``,

@@ -59,14 +59,8 @@ def weighted_pair_sum(
 class _FusedOneBlock(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        queries: Tensor,
-        keys: Tensor,
-        scale: Tensor,
-        bias: Tensor | None,
-        pairs: Pairs,
-        weights: Tensor | None,
-        wanted: tuple[bool, bool, bool, bool],
+        ctx: Any, queries: Tensor, keys: Tensor, scale: Tensor, bias: Tensor | None, pairs: Pairs,
+        weights: Tensor | None, wanted: tuple[bool, bool, bool, bool],
     ) -> tuple[Tensor, Tensor]:
         want_query, want_key, want_scale, want_bias = wanted
         family, transport = pairs.family, pairs.transport

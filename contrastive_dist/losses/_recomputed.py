@@ -57,12 +57,7 @@ def pair_losses(
 class _Recomputed(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        queries: Tensor,
-        keys: Tensor,
-        scale: Tensor,
-        bias: Tensor | None,
-        pairs: Pairs,
+        ctx: Any, queries: Tensor, keys: Tensor, scale: Tensor, bias: Tensor | None, pairs: Pairs,
         wanted: tuple[bool, bool, bool, bool],
     ) -> tuple[Tensor, Tensor, Tensor]:
         family, transport = pairs.family, pairs.transport

@@ -19,19 +19,6 @@ from torch import Tensor
 
 from contrastive_dist.losses._targets import Targets
 
-__all__ = [
-    "WIDTH",
-    "block_state_",
-    "empty_state",
-    "finish",
-    "gradient_",
-    "has_positive",
-    "merge_",
-    "merged",
-    "numerators_",
-    "rebase_",
-]
-
 WIDTH = 1
 """One number of state per row: its sum of pair terms so far."""
 

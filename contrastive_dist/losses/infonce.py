@@ -167,9 +167,6 @@ class DistributedInfoNCE(HeldOptions):
     ``same_id`` mean what they mean for :func:`info_nce`, checked here; ``temperature`` applies when
     ``forward`` gets no ``logit_scale``.
 
-    Shape:
-        as for :func:`info_nce`.
-
     Example:
         >>> import torch
         >>> import torch.nn.functional as F

@@ -132,9 +132,6 @@ class NTXentLoss(HeldOptions):
     The options (``temperature``, ``chunk_size``, ``group``, ``reduction``, ``communication``,
     ``same_id``) are :func:`nt_xent`'s, checked when the module is made.
 
-    Shape:
-        as for :func:`nt_xent`.
-
     Example:
         >>> import torch
         >>> from contrastive_dist import NTXentLoss

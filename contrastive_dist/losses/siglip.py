@@ -112,9 +112,6 @@ class SigLIPLoss(HeldOptions):
     Held: ``chunk_size``, ``group``, ``reduction``, ``communication`` and ``same_id`` (what pairs with
     the same ``ids``, given to ``forward``, are), as :func:`siglip` takes them.
 
-    Shape:
-        as for :func:`siglip`.
-
     Example:
         >>> import torch
         >>> from contrastive_dist import SigLIPLoss

@@ -142,9 +142,6 @@ class SupConLoss(HeldOptions):
     With :func:`supcon`'s ``temperature`` (used without a ``logit_scale``), ``chunk_size``, ``group``,
     ``reduction`` and ``communication``, each checked when the module is made.
 
-    Shape:
-        as for :func:`supcon`.
-
     Example:
         >>> import torch
         >>> import torch.nn.functional as F
