@@ -92,3 +92,15 @@ def test_clip_output_dict_and_bias_are_open_clips() -> None:
 def test_options_that_would_change_the_result_are_refused(make_loss: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make_loss()
+
+
+def test_lightly_negative_mises_fisher_weights_are_lightlys() -> None:
+    from lightly.loss.dcl_loss import negative_mises_fisher_weights as original
+
+    from contrastive_dist.compat.lightly import negative_mises_fisher_weights
+
+    torch.manual_seed(0)
+    out0, out1 = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    for sigma in (1e-7, 0.5, 1e4):
+        torch.testing.assert_close(negative_mises_fisher_weights(out0, out1, sigma), original(out0, out1, sigma),
+                                   rtol=1e-12, atol=1e-12)

@@ -26,7 +26,26 @@ from contrastive_dist.engine.gather import all_gather
 from contrastive_dist.losses import SharedNegatives, dcl, info_nce, nt_xent
 from contrastive_dist.queue import DistributedMemoryQueue
 
-__all__ = ["DCLLoss", "DCLWLoss", "NTXentLoss"]
+__all__ = ["DCLLoss", "DCLWLoss", "NTXentLoss", "negative_mises_fisher_weights"]
+
+
+def negative_mises_fisher_weights(out0: Tensor, out1: Tensor, sigma: float = 0.5) -> Tensor:
+    """The DCLW weight of each pair in this batch, as lightly has it: ``2 − n · softmax(out0_i · out1_i / σ)``.
+
+    Detached. The same function as lightly's, for a ``weight_fn``: over the rows it is given (a rank's batch).
+    :class:`DCLWLoss` takes the softmax over the global batch instead.
+
+    Shape:
+        out0, out1: ``(n, D)``; output: ``(n,)``.
+
+    Example:
+        >>> import torch
+        >>> weights = negative_mises_fisher_weights(torch.eye(3), torch.eye(3))
+        >>> torch.allclose(weights, torch.ones(3))
+        True
+    """
+    similarity = (out0.detach() * out1.detach()).sum(dim=1) / sigma
+    return 2 - out0.shape[0] * torch.softmax(similarity, dim=0)
 
 
 def _positive(name: str, value: float) -> float:
@@ -34,6 +53,14 @@ def _positive(name: str, value: float) -> float:
     if not value > 0:
         raise ValueError(f"{name} must be > 0, got {value}")
     return float(value)
+
+
+def _gathering(gather_distributed: bool) -> bool:
+    """The check lightly makes: gathering needs ``torch.distributed`` (a ``ValueError`` otherwise)."""
+    if gather_distributed and not dist.is_available():
+        raise ValueError("gather_distributed is True but torch.distributed is not available: set "
+                         "gather_distributed=False or install a torch build with distributed support")
+    return gather_distributed
 
 
 def _bank_shape(memory_bank_size: int | Sequence[int]) -> tuple[int, int] | None:
@@ -92,7 +119,8 @@ class NTXentLoss(nn.Module):
         gather_distributed: bool = False,
     ) -> None:
         super().__init__()
-        self.temperature, self.gather_distributed = _positive("temperature", temperature), gather_distributed
+        self.temperature = _positive("temperature", temperature)
+        self.gather_distributed = _gathering(gather_distributed)
         shape = _bank_shape(memory_bank_size)
         self.memory_bank: DistributedMemoryQueue | None = None
         self._bank_shared = False
@@ -163,7 +191,7 @@ class DCLLoss(nn.Module):
                  gather_distributed: bool = False) -> None:
         super().__init__()
         self.temperature, self.weight_fn = _positive("temperature", temperature), weight_fn
-        self.gather_distributed = gather_distributed
+        self.gather_distributed = _gathering(gather_distributed)
         self.sigma: float | None = None
 
     def forward(self, out0: Tensor, out1: Tensor) -> Tensor:
