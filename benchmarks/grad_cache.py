@@ -7,7 +7,7 @@ Run (one process; CPU unless ``--device cuda``)::
     python benchmarks/grad_cache.py --budget-mib 2048          # largest batch whose step fits in 2 GiB
     python benchmarks/grad_cache.py --threads 1 --plot docs/assets/benchmarks/grad_cache.svg  # + the figure
 
-The tower is the recipe's own code (``recipes/shared.py``: ``resnet-small``, width 16, 32×32
+The tower is the recipes' own code (``contrastive_dist.lightning.towers``: ``resnet-small``, width 16, 32×32
 images, a 64-d projection), not a copy. One step: encode the batch (plain: ``tower(images)``;
 cached: ``grad_cache(tower, images, mini_batch_size=M)``), InfoNCE against fixed text embeddings
 with a learnable ``logit_scale`` and ``chunk_size=512`` (its logits are then O(512·n), not n²), ``backward``,
@@ -29,10 +29,8 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -40,10 +38,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from contrastive_dist import grad_cache, info_nce
-
-# The recipe's image tower itself: the recipes import their helper as a sibling module.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-from shared import small_image_resnet  # noqa: E402
+from contrastive_dist.lightning.towers import small_image_resnet  # the recipes' image tower itself
 
 METHODS = ("plain", "grad_cache")
 

@@ -119,53 +119,22 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from shared import make_trainer, optimizer_and_schedule, small_image_resnet
+from shared import make_trainer, optimizer_and_schedule
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
 from contrastive_dist import DistributedInfoNCE, all_gather_many, convert_sync_batchnorm, grad_cache
 from contrastive_dist.lightning import distributed_loader, step_sizes, streaming_loader
-from contrastive_dist.lightning.image_text import CsvImageText, caption_id, csv_rows, shard_stream, write_shards
-from contrastive_dist.lightning.report import plot_curves, print_summary, read_metrics
+from contrastive_dist.lightning.image_text import CaptionCollate, CsvImageText, csv_rows, shard_stream, write_shards
+from contrastive_dist.lightning.report import report_run
 from contrastive_dist.lightning.retrieval import recall_by_chance, recall_by_id, retrieval_grid
 from contrastive_dist.lightning.runs import check_global_batch, run_folder
+from contrastive_dist.lightning.towers import TextTransformer, small_image_resnet
 from contrastive_dist.lightning.training import fit
-from contrastive_dist.shapes import ShapesDataset, normalize
+from contrastive_dist.shapes import ShapesDataset
 
 # -- data -----------------------------------------------------------------------------------------
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens (ids 3..258) between begin (1) and end (2), padded with 0: no vocabulary."""
-
-    pad, begin, end, vocab_size = 0, 1, 2, 259
-
-    def __init__(self, context_length: int) -> None:
-        self.context_length = context_length
-
-    def __call__(self, texts: list[str]) -> Tensor:
-        tokens = torch.full((len(texts), self.context_length), self.pad, dtype=torch.long)
-        for row, text in enumerate(texts):
-            ids = [self.begin, *(byte + 3 for byte in text.encode()[: self.context_length - 2]), self.end]
-            tokens[row, : len(ids)] = torch.tensor(ids)
-        return tokens
-
-
-class CaptionCollate:
-    """``(image uint8, caption, ..., index)`` items → ``(images, tokens, ids, indices)``; picklable.
-
-    The ids are the items' third field (``id_field=2``: a CSV's id column) or hashes of the captions.
-    """
-
-    def __init__(self, context_length: int, id_field: int | None = None) -> None:
-        self.tokenize, self.id_field = ByteTokenizer(context_length), id_field
-
-    def __call__(self, items: list[tuple[Any, ...]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        captions = [item[1] for item in items]
-        ids = [item[self.id_field] for item in items] if self.id_field else [caption_id(text) for text in captions]
-        return (normalize(torch.stack([item[0] for item in items])), self.tokenize(captions),
-                torch.tensor(ids, dtype=torch.long), torch.tensor([item[-1] for item in items]))
 
 
 def transforms(args: argparse.Namespace) -> tuple[v2.Transform, v2.Transform]:
@@ -207,27 +176,6 @@ def webdataset_data(location: str, args: argparse.Namespace) -> tuple[Any, list[
 DATA_SOURCES = {"shapes": shapes_data, "csv": csv_data, "webdataset": webdataset_data}
 
 # -- model ----------------------------------------------------------------------------------------
-
-
-class TextTransformer(nn.Module):
-    """A small pre-norm transformer over byte tokens, pooled at the end token as in CLIP: (n, L) → (n, width)."""
-
-    def __init__(self, *, width: int, context_length: int, layers: int = 2, heads: int = 4) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(ByteTokenizer.vocab_size, width)
-        self.position = nn.Parameter(torch.randn(context_length, width) * 0.02)
-        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
-        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(width)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        if tokens.shape[0] == 0:
-            # Attention cannot take 0 rows; one padding row keeps every parameter in the graph (DDP
-            # needs this rank's backward to reach them) and is sliced away.
-            return self.forward(tokens.new_full((1, tokens.shape[1]), ByteTokenizer.end))[:0]
-        x = self.encoder(self.embed(tokens) + self.position, src_key_padding_mask=tokens == ByteTokenizer.pad)
-        end = (tokens == ByteTokenizer.end).float().argmax(dim=1)
-        return self.norm(x[torch.arange(tokens.shape[0]), end])
 
 
 def unit_rows(features: Tensor) -> Tensor:
@@ -332,11 +280,8 @@ def main(argv: Sequence[str] | None = None, callbacks: Sequence[L.Callback] = ()
                            advice="raise --batch-size or --devices (the global batch is --batch-size × processes)")
     if not fit(trainer, model, checkpoint):
         return
-    files = {"run": args.output_dir, "metrics": Path(trainer.loggers[0].log_dir or ".") / "metrics.csv"}
-    rows = read_metrics(args.output_dir)
+    files: dict[str, Path] = {}
     if not args.no_plots:
-        files["curves"] = args.output_dir / "curves.png"
-        plot_curves(rows, list(model.chance), files["curves"], f"CLIP on {args.data}")
         files["retrievals"] = args.output_dir / "retrievals.png"
         items = [val_set[i] for i in range(len(val_set))]
         images, tokens, ids, _ = model.collate(items)
@@ -346,8 +291,9 @@ def main(argv: Sequence[str] | None = None, callbacks: Sequence[L.Callback] = ()
         retrieval_grid(torch.stack([item[0] for item in items]), [item[1] for item in items], image @ text.T, ids,
                        files["retrievals"])
     counted = "the CSV's id column" if args.csv_ids else "caption"
-    print_summary(f"CLIP, held-out split of {len(val_set)}, recall by {counted}", rows, model.chance,
-                  trainer=trainer, seconds=time.perf_counter() - start, files=files)
+    report_run(args.output_dir, trainer, model.chance, title=f"CLIP, held-out split of {len(val_set)}, recall by "
+               f"{counted}", plot_title=None if args.no_plots else f"CLIP on {args.data}",
+               seconds=time.perf_counter() - start, files=files)
 
 
 if __name__ == "__main__":

@@ -3,16 +3,17 @@
 One file, no download: generated images of a coloured square whose caption names it ("a large red
 square in the top left"), a small conv net with exact global BatchNorm (``convert_sync_batchnorm``)
 and a bag-of-words text tower, ``DistributedInfoNCE`` over the global batch with the sampler's
-per-rank sizes, and held-out image→text / text→image recall at the end.
+per-rank sizes, and held-out image→text / text→image recall at the end. Each run writes its
+``checkpoint.pt`` to a new ``runs/clip_torchrun/version_N`` (``--resume`` names the run to continue).
 
     torchrun --standalone --nproc-per-node 2 recipes/clip_torchrun.py                  # CPU: gloo
     torchrun --standalone --nproc-per-node 8 recipes/clip_torchrun.py --batch-size 256  # GPUs: NCCL
     torchrun --standalone --nproc-per-node 2 recipes/clip_torchrun.py --max-steps 600 \\
-        --resume runs/clip_torchrun/checkpoint.pt                                       # continue a run
+        --resume runs/clip_torchrun/version_0                                           # continue a run
     torchrun --standalone --nproc-per-node 2 recipes/clip_torchrun.py --batch-size 1024 \\
         --grad-cache 64                                     # activations of 64 rows at a time (grad_cache)
     torchrun --standalone --nproc-per-node 4 recipes/clip_torchrun.py --max-steps 600 --batch-size 32 \\
-        --resume runs/clip_torchrun/checkpoint.pt    # ... on 4 processes: the same global batch, the same batches
+        --resume runs/clip_torchrun/version_0    # ... on 4 processes: the same global batch, the same batches
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import itertools
 import math
 import os
+import sys
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -41,6 +43,7 @@ from contrastive_dist import (
     grad_cache,
     retrieval_accuracy,
 )
+from contrastive_dist.lightning.runs import run_folder
 
 COLOURS = {"red": (0.9, 0.15, 0.15), "green": (0.15, 0.8, 0.2), "blue": (0.2, 0.35, 0.95),
            "yellow": (0.95, 0.9, 0.15), "purple": (0.65, 0.2, 0.85), "cyan": (0.15, 0.85, 0.9)}
@@ -140,8 +143,11 @@ def main() -> None:
     parser.add_argument("--grad-cache", type=int, default=0, metavar="M",
                         help="encode M rows at a time and re-encode in backward: the activation memory of M rows, "
                         "the same gradient except through BatchNorm (M-row statistics); 0: off")
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/clip_torchrun"), help="checkpoint.pt goes here")
-    parser.add_argument("--resume", type=Path, default=None, help="checkpoint.pt to continue from (mid-epoch is fine)")
+    parser.add_argument("--output-dir", type=Path, default=None, help="the run's folder (its checkpoint.pt goes "
+                        "there), which must not hold a run yet; default: a new runs/clip_torchrun/version_N")
+    parser.add_argument("--overwrite", action="store_true", help="let --output-dir replace the run it holds")
+    parser.add_argument("--resume", type=Path, default=None, metavar="RUN", help="continue a run (mid-epoch is "
+                        "fine): its folder, e.g. runs/clip_torchrun/version_0, or its checkpoint.pt")
     parser.add_argument("--timeout", type=float, default=600, help="seconds a rank waits for a hung peer, then fails")
     args = parser.parse_args()
     if args.grad_cache < 0:
@@ -155,6 +161,20 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    # Rank 0 picks the run's folder (or refuses one that holds a run) and tells the others: every rank
+    # agrees, and none lists the runs while rank 0 creates a new one.
+    picked: list[tuple[Path, Path | None] | str] = [""]
+    if rank == 0:
+        try:
+            picked = [run_folder(Path("runs/clip_torchrun"), output_dir=args.output_dir, resume=args.resume,
+                                 overwrite=args.overwrite, checkpoint_name="checkpoint.pt")]
+        except ValueError as error:
+            picked = [f"error: {error}"]
+    dist.broadcast_object_list(picked, src=0)
+    if isinstance(picked[0], str):
+        dist.destroy_process_group()
+        sys.exit(picked[0] if rank == 0 else 1)
+    args.output_dir, checkpoint = picked[0]
     torch.manual_seed(args.seed)
     # Exact global BatchNorm statistics on every backend, for any (even empty) per-rank batch.
     model = convert_sync_batchnorm(CLIP(grad_cache=args.grad_cache)).to(device)
@@ -167,8 +187,8 @@ def main() -> None:
     loader = DataLoader(train_set, batch_sampler=sampler, collate_fn=EmptySafeCollate(train_set),
                         num_workers=args.num_workers)
     step, epoch, first, resumed = 0, 0, 0, ""
-    if args.resume is not None:
-        state = torch.load(args.resume, map_location=device, weights_only=True)
+    if checkpoint is not None:
+        state = torch.load(checkpoint, map_location=device, weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         # The sampler's state says how much of the epoch's order is consumed, not by which rank: any number of

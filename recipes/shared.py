@@ -1,4 +1,4 @@
-"""What the CLIP and SimCLR recipes share: the launch and training flags, the Trainer, a small ResNet.
+"""What the CLIP and SimCLR recipes share: the launch and training flags, the Trainer, the optimizer.
 
 The flags import nothing heavy, so ``--help`` and a bad flag answer at once; torch, torchvision
 and Lightning are imported once the flags are read. The recipes import this file as a sibling
@@ -8,7 +8,6 @@ module (``python recipes/clip.py`` puts ``recipes/`` on ``sys.path``).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import warnings
@@ -86,41 +85,6 @@ def training_flags(parser: argparse.ArgumentParser, *, batch_size: int, lr: floa
     output.add_argument("--resume", type=Path, default=None, metavar="RUN", help="continue a run (mid-epoch is "
                         "fine): its folder, e.g. runs/clip/version_0, or a checkpoint file in it")
     output.add_argument("--no-plots", action="store_true", help="skip the PNG plots at the end")
-
-
-def small_image_resnet(name: str, *, width: int = 32, stem_stride: int = 2, norm: str = "batch") -> tuple[Any, int]:
-    """A torchvision ResNet for small images → ``(module, feature_dim)``; input ``(n, 3, H, W)``, ``n`` may be 0.
-
-    ``"resnet18"``: torchvision's (random init) with a 3×3 stride-1 stem and no max-pool (the usual
-    CIFAR change). ``"resnet-small"``: one ``BasicBlock`` per stage, widths ``width·(1, 2, 4, 8)``, a
-    few MFLOPs per image, so the default runs train in minutes on a laptop CPU. ``norm="group"``
-    puts GroupNorm (up to 8 groups: per-sample statistics, so ``--grad-cache`` changes nothing)
-    where BatchNorm would be.
-    """
-    from torch import nn
-    from torchvision.models import resnet18
-    from torchvision.models.resnet import BasicBlock
-
-    def norm_layer(channels: int) -> nn.Module:
-        return nn.BatchNorm2d(channels) if norm == "batch" else nn.GroupNorm(math.gcd(8, channels), channels)
-
-    if name == "resnet18":
-        net = resnet18(weights=None, norm_layer=norm_layer)
-        net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
-        net.maxpool = nn.Identity()  # type: ignore[assignment]
-        net.fc = nn.Identity()  # type: ignore[assignment]
-        return net, 512
-    layers: list[nn.Module] = [nn.Conv2d(3, width, 3, stride=stem_stride, padding=1, bias=False),
-                               norm_layer(width), nn.ReLU(inplace=True)]
-    channels = width
-    for stage in range(4):
-        out, stride = width * 2**stage, 1 if stage == 0 else 2
-        downsample = None
-        if stride != 1 or channels != out:
-            downsample = nn.Sequential(nn.Conv2d(channels, out, 1, stride=stride, bias=False), norm_layer(out))
-        layers.append(BasicBlock(channels, out, stride=stride, downsample=downsample, norm_layer=norm_layer))
-        channels = out
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten()), channels
 
 
 def make_trainer(args: argparse.Namespace, *, monitor: str, callbacks: Any = ()) -> Any:

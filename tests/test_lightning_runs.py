@@ -61,6 +61,20 @@ def test_resume_names_a_run_folder_or_a_checkpoint_and_continues_in_its_folder(t
             run_folder(tmp_path / "runs", resume=bad)
 
 
+def test_a_checkpoint_name_without_subfolders_resumes_in_the_folder_that_holds_it(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "version_0"  # a plain PyTorch loop's run: <folder>/checkpoint.pt
+    run.mkdir(parents=True)
+    checkpoint = run / "checkpoint.pt"
+    checkpoint.write_bytes(b"weights")
+    for resume in (run, checkpoint):
+        assert run_folder(tmp_path / "runs", resume=resume, checkpoint_name="checkpoint.pt") == (run, checkpoint)
+    assert run_folder(tmp_path / "runs", checkpoint_name="checkpoint.pt")[0] == tmp_path / "runs" / "version_1"
+    with pytest.raises(ValueError, match="expected a run folder holding checkpoint.pt"):
+        run_folder(tmp_path / "runs", resume=tmp_path / "runs" / "version_1", checkpoint_name="checkpoint.pt")
+    with pytest.raises(ValueError, match="holds a run already"):
+        run_folder(tmp_path / "runs", output_dir=run, checkpoint_name="checkpoint.pt")
+
+
 def test_rank_processes_take_the_folder_their_launcher_chose(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     chosen, _ = run_folder(tmp_path)
     finished_run(chosen)  # the launcher's run has started writing

@@ -274,6 +274,36 @@ def test_torchrun_recipe_resumes_mid_epoch_on_three_processes_to_the_weights_of_
     assert not torch.equal(one["model"]["logit_scale"], torch.tensor(1 / 0.07).log())  # it trained
 
 
+@pytest.mark.timeout(480)  # four short torchrun runs and a refused one
+def test_torchrun_recipe_gives_each_run_a_folder_and_a_second_run_keeps_the_first_files(tmp_path: Path) -> None:
+    def torchrun(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                   str(RECIPES / "clip_torchrun.py"), "--train-size", "49", "--batch-size", "12", *args]
+        result = subprocess.run(command, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                capture_output=True, text=True, timeout=150)
+        assert result.returncode == 0 or not check, result.stdout[-2000:] + result.stderr[-4000:]
+        return result
+
+    first = tmp_path / "runs/clip_torchrun/version_0"  # the default folder of a first run
+    assert str(Path("runs/clip_torchrun/version_0/checkpoint.pt")) in torchrun("--max-steps", "1").stdout
+    kept = {path: path.read_bytes() for path in first.rglob("*") if path.is_file()}
+    assert list(kept) == [first / "checkpoint.pt"]
+    # A second new run (a mistaken one) goes to a folder of its own: the first run's files stay as they were.
+    assert str(Path("runs/clip_torchrun/version_1")) in torchrun("--max-steps", "1", "--seed", "1").stdout
+    assert {path: path.read_bytes() for path in first.rglob("*") if path.is_file()} == kept
+    # --resume names the run's folder and continues there.
+    assert "2 steps" in torchrun("--max-steps", "2", "--resume", "runs/clip_torchrun/version_0").stdout
+    assert torch.load(first / "checkpoint.pt", weights_only=True)["step"] == 2
+    assert sorted(path.name for path in first.parent.iterdir()) == ["version_0", "version_1"]
+    # An --output-dir that holds a run is refused, in one line and before any step, unless --overwrite.
+    refused = torchrun("--max-steps", "1", "--output-dir", str(first), check=False)
+    assert refused.returncode != 0 and f"error: {first} holds a run already" in refused.stderr
+    assert "--overwrite" in refused.stderr and "step 1" not in refused.stdout
+    assert torch.load(first / "checkpoint.pt", weights_only=True)["step"] == 2
+    torchrun("--max-steps", "1", "--output-dir", str(first), "--overwrite")
+    assert torch.load(first / "checkpoint.pt", weights_only=True)["step"] == 1
+
+
 def floating_weights_close(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor], tolerance: float) -> None:
     """The same keys; every floating tensor within ``tolerance`` of the other, relative to its largest entry."""
     assert first.keys() == second.keys()

@@ -8,6 +8,8 @@
   directory or expands a brace pattern; :class:`ImageText` turns a decoded sample into
   ``(image, caption, id)`` for :func:`contrastive_dist.lightning.streaming_loader`;
   :func:`write_shards` writes ``(image, caption, ...)`` items as such shards (webdataset needed).
+* :class:`CaptionCollate` batches any of these items (or the generated shapes) for a CLIP step:
+  normalised images, byte tokens, ids and indices.
 
 Example:
     >>> import tempfile
@@ -28,7 +30,13 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CsvImageText", "ImageText", "caption_id", "csv_rows", "shard_stream", "shard_urls",
+import torch
+from torch import Tensor
+
+from contrastive_dist.lightning.towers import ByteTokenizer
+from contrastive_dist.shapes import normalize
+
+__all__ = ["CaptionCollate", "CsvImageText", "ImageText", "caption_id", "csv_rows", "shard_stream", "shard_urls",
            "write_shards"]
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
@@ -108,6 +116,39 @@ class ImageText:
                              f"({', '.join(IMAGE_EXTENSIONS)}) and a caption (txt), found {sorted(sample)}")
         key = str(sample["__key__"]).rsplit("/", 1)[-1]
         return self.transform(image.convert("RGB")), sample["txt"], int(key) if key.isdigit() else -1
+
+
+class CaptionCollate:
+    """``(image uint8, caption, ..., index)`` items → ``(images, tokens, ids, indices)``; picklable for workers.
+
+    The images are normalised (:func:`contrastive_dist.shapes.normalize`), the captions tokenized by
+    a :class:`~contrastive_dist.lightning.towers.ByteTokenizer`. The ids are the items' field
+    ``id_field`` (``2``: a CSV's id column, as :class:`CsvImageText` gives it) or, with ``None``,
+    :func:`caption_id` of the captions.
+
+    Shape:
+        - output: ``(n, 3, S, S)`` float32, ``(n, context_length)`` int64, ``(n,)`` int64, ``(n,)`` int64.
+
+    Example:
+        >>> import torch
+        >>> items = [(torch.zeros(3, 4, 4, dtype=torch.uint8), "a red circle", 7, 0),
+        ...          (torch.zeros(3, 4, 4, dtype=torch.uint8), "A red circle.", 8, 1)]
+        >>> images, tokens, ids, indices = CaptionCollate(16)(items)
+        >>> tuple(images.shape), tuple(tokens.shape), bool(ids[0] == ids[1]), indices.tolist()
+        ((2, 3, 4, 4), (2, 16), True, [0, 1])
+        >>> CaptionCollate(16, id_field=2)(items)[2].tolist()
+        [7, 8]
+    """
+
+    def __init__(self, context_length: int, id_field: int | None = None) -> None:
+        self.tokenize, self.id_field = ByteTokenizer(context_length), id_field
+
+    def __call__(self, items: list[tuple[Any, ...]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Collate a list of items (a rank's non-empty share of a step)."""
+        captions = [item[1] for item in items]
+        ids = [item[self.id_field] for item in items] if self.id_field else [caption_id(text) for text in captions]
+        return (normalize(torch.stack([item[0] for item in items])), self.tokenize(captions),
+                torch.tensor(ids, dtype=torch.long), torch.tensor([item[-1] for item in items]))
 
 
 def shard_urls(location: str) -> list[str]:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["loss_curve", "plot_curves", "print_summary", "read_metrics"]
+__all__ = ["loss_curve", "plot_curves", "print_summary", "read_metrics", "report_run"]
 
 
 def read_metrics(run: Path) -> list[dict[str, float]]:
@@ -106,3 +106,19 @@ def print_summary(title: str, rows: list[dict[str, float]], chance: dict[str, fl
         lines.append(f"  {key:<28} {values[-1]:.3f}   (chance {reference:.3f}, x{values[-1] / reference:.1f})")
     lines += [f"  {name:<28} {path}" for name, path in files.items()]
     print("\n".join(lines), flush=True)
+
+
+def report_run(run: Path, trainer: Any, chance: dict[str, float], *, title: str, plot_title: str | None,
+               seconds: float, files: dict[str, Path] | None = None) -> None:
+    """Plot a finished run's curves to ``run/curves.png`` (unless ``plot_title`` is ``None``) and print its summary.
+
+    The summary (:func:`print_summary`) lists the run's folder, its ``metrics.csv``, the curves and
+    then ``files`` (other plots the caller wrote). ``trainer``'s first logger is a ``CSVLogger`` in
+    ``run`` (:func:`read_metrics` reads every invocation of a resumed run).
+    """
+    listed = {"run": run, "metrics": Path(trainer.loggers[0].log_dir or ".") / "metrics.csv"}
+    rows = read_metrics(run)
+    if plot_title is not None:
+        listed["curves"] = run / "curves.png"
+        plot_curves(rows, list(chance), listed["curves"], plot_title)
+    print_summary(title, rows, chance, trainer=trainer, seconds=seconds, files={**listed, **(files or {})})

@@ -39,34 +39,44 @@ def _holds_a_run(folder: Path) -> bool:
 
 
 def run_folder(root: Path, *, output_dir: Path | None = None, resume: Path | None = None,
-               overwrite: bool = False) -> tuple[Path, Path | None]:
+               overwrite: bool = False, checkpoint_name: str = "checkpoints/last.ckpt") -> tuple[Path, Path | None]:
     """The folder a run writes to, and the checkpoint it resumes from (or ``None``).
 
     * New run, no ``output_dir``: a fresh ``root/version_N`` (``N`` one above the highest there).
     * New run with ``output_dir``: that folder, which must not hold a run yet; ``overwrite`` empties it.
-    * ``resume``: a run folder (its ``checkpoints/last.ckpt`` is loaded and the run continues in it)
-      or a checkpoint file (the run continues in the folder that holds its ``checkpoints/``, or in
-      ``output_dir`` when given).
+    * ``resume``: a run folder (its ``checkpoint_name`` is loaded and the run continues in it)
+      or a checkpoint file (the run continues in the folder that holds it as ``checkpoint_name``
+      places it, e.g. the folder above its ``checkpoints/``, or in ``output_dir`` when given).
 
     The process that launches the others creates the folder and exports it in
     :data:`RUN_FOLDER_VARIABLE`; a process started by it (``LOCAL_RANK`` > 0) takes that folder.
 
+    Args:
+        root: where new runs get their ``version_N`` folders.
+        output_dir: the run's folder instead of a new ``version_N``.
+        resume: the run folder or checkpoint file to continue from.
+        overwrite: let ``output_dir`` replace the run it holds (the folder is emptied).
+        checkpoint_name: where a run keeps the checkpoint it resumes from, relative to its folder
+            (Lightning's recipes: ``checkpoints/last.ckpt``; a plain PyTorch loop: ``checkpoint.pt``, say).
+
     Raises:
         ValueError: ``output_dir`` holds a run (and neither ``resume`` nor ``overwrite``), or
-            ``resume`` names neither a folder with ``checkpoints/last.ckpt`` nor a file.
+            ``resume`` names neither a folder with ``checkpoint_name`` nor a file.
     """
     checkpoint = None
     if resume is not None:
         resume = Path(resume).expanduser()
         if resume.is_dir():
-            checkpoint = resume / "checkpoints" / "last.ckpt"
+            checkpoint = resume / checkpoint_name
             output_dir = output_dir or resume
         elif resume.is_file():
             checkpoint = resume
-            if output_dir is None and resume.parent.name == "checkpoints":
-                output_dir = resume.parent.parent
+            # The run's folder is the one above the checkpoint's subfolders (``checkpoints/``), if it sits in them.
+            subfolders = Path(checkpoint_name).parent.parts
+            if output_dir is None and resume.parent.parts[len(resume.parent.parts) - len(subfolders):] == subfolders:
+                output_dir = resume.parents[len(subfolders)]
         if checkpoint is None or not checkpoint.is_file():
-            raise ValueError(f"--resume {resume}: expected a run folder holding checkpoints/last.ckpt or a "
+            raise ValueError(f"--resume {resume}: expected a run folder holding {checkpoint_name} or a "
                              "checkpoint file; found neither")
     inherited = os.environ.get(RUN_FOLDER_VARIABLE)
     if inherited and os.environ.get("LOCAL_RANK", "0") != "0":  # a rank process: its launcher chose already
