@@ -27,6 +27,7 @@ WORLD_SIZE, DIM, WIDTH = 3, 6, 5
 LAYOUTS = ((5, 0, 3), (5, 1, 2))
 LOSSES = ("open_clip ClipLoss(local_loss, gather_with_grad)", "open_clip ClipLoss()", "open_clip SigLipLoss(bidir)",
           "lightly NTXentLoss(gather_distributed=True)", "lightly NTXentLoss(gather_distributed=False)",
+          "lightly DCLLoss(gather_distributed=True)", "lightly DCLWLoss(gather_distributed=True)",
           "sentence-transformers MNRL(gather_across_devices=True)",
           "sentence-transformers MNRL(gather_across_devices=False)")
 
@@ -59,10 +60,12 @@ def _loss(name: str, which: str, rank: int, world_size: int, data: dict[str, Ten
     gather = "True" in name
     if name.startswith("lightly"):
         if which == "original":
-            from lightly.loss import NTXentLoss
+            from lightly import loss as lightly_module
         else:
-            from contrastive_dist.compat.lightly import NTXentLoss  # type: ignore[assignment]
-        return NTXentLoss(temperature=0.2, gather_distributed=gather), []
+            from contrastive_dist.compat import lightly as lightly_module  # type: ignore[no-redef]
+        kind = name.split()[1].split("(")[0]
+        options = {"sigma": 0.5} if kind == "DCLWLoss" else {}
+        return getattr(lightly_module, kind)(temperature=0.2, gather_distributed=gather, **options), []
     if which == "original":
         from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
     else:
