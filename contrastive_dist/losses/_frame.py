@@ -181,8 +181,9 @@ def begin(
         flags = SMALL_KEYS
         for keys in (result[4], *keyed):  # every rank's keys small, or compared as integers everywhere
             flags = small_keys_flag(keys if isinstance(keys, Tensor) else None, dtype) & flags
-    if common.same_id is not None:
-        options = {"ids": common.ids is not None, "same_id": common.same_id, **options}
+    # Whether ids are given is agreed for every loss; what equal ids mean, for the losses that say.
+    same_id = {} if common.same_id is None else {"same_id": common.same_id}
+    options = {"ids": common.ids is not None, **same_id, **options}
     layout = agree(
         [tensor for tensor in (*inputs, common.ids) if tensor is not None],
         problem=problem,

@@ -66,7 +66,7 @@ def dcl(
         return first, second, check_sigma(sigma, positive_weight), check_positive_weight(positive_weight, first)
 
     common = Common("dcl", logit_scale, temperature, chunk_size, group, sizes, weight, reduction, communication, ids)
-    options = {"sigma": sigma, "positive_weight": positive_weight is not None, "ids": ids is not None}
+    options = {"sigma": sigma, "positive_weight": positive_weight is not None}
     call = begin(common, own, (z1, z2, positive_weight), options=options)
     first, second, sigma_, given = call.own
     start, samples = call.layout.offset, first.shape[0]
