@@ -60,10 +60,12 @@ def test_value_and_gradients_equal_the_original(case: tuple[str, dict[str, Any]]
         results.append(loss_and_grads(kind, loss, data, 0, 8, steps=steps, output_dict=kind in ("clip", "siglip")))
     (expected_values, expected_grads), (values, grads) = results
     for actual, expected in zip(values, expected_values):
-        torch.testing.assert_close(actual, expected, **tolerance(dtype))
+        torch.testing.assert_close(actual, expected, **tolerance(dtype, expected))
     assert expected_grads.keys() == grads.keys()
     for name in grads:
-        torch.testing.assert_close(grads[name], expected_grads[name], **tolerance(dtype), msg=name)
+        expected = expected_grads[name]
+        message = lambda text, name=name: f"{name}: {text}"  # noqa: E731
+        torch.testing.assert_close(grads[name], expected, **tolerance(dtype, expected), msg=message)
 
 
 def test_clip_output_dict_and_bias_are_open_clips() -> None:
