@@ -26,11 +26,14 @@ labels)`` with two views per sample and four samples per label; features L2-norm
 Peers on the same inputs and floor, one process: open_clip's ``ClipLoss()`` (constant scale 1/0.07,
 like ``info_nce``'s default) and ``SigLipLoss()`` (learnable scale and bias); skipped if missing.
 
-**Ring rows** (``communication="ring"``): W gloo processes, one thread each, ``n / W`` samples per rank.
-Each rank times its loss against its share of the floor: the same products for its rows against
-every column (``n/W × n``; symmetric ``2n/W × 2n``). The row shows the rank with the largest ratio,
-and ``target`` the ring ratio ÷ the gather ratio of the same loss, call and dtype (≤ 1.10).
-Gather rows run in one process without a process group: with W = 1 gather is the plain loss.
+**Rows at W ranks** (``--world-size``, default 4): W gloo processes, one thread each, ``n / W`` samples
+per rank, in both modes (``gather W=4``, ``ring W=4``). Each rank times its loss against its share of the
+floor: the same products for its rows against every column (``n/W × n``; symmetric ``2n/W × 2n``). A
+row shows the rank with the largest ratio. The ``target`` of a ring row is its ratio ÷ the one-process
+gather ratio of the same loss, call and dtype (≤ 1.10), then ÷ the gather ratio at the same W: the
+first includes what the transport costs the processor (gloo copies every message through the kernel),
+which the one-process row does not pay; the second compares the two modes on the same footing.
+The gather rows without a W run in one process without a process group: the plain loss.
 """
 
 from __future__ import annotations
@@ -150,18 +153,27 @@ def _medians(step: Callable[[], None], floor: Callable[[], None], repeats: int) 
     return statistics.median(times[0]), statistics.median(times[1])
 
 
-def _ring_rank(rank: int, world_size: int, case: Case, n: int, dim: int, repeats: int) -> tuple[float, float]:
+def _rank_times(
+    rank: int, world_size: int, case: Case, n: int, dim: int, repeats: int, communication: str
+) -> tuple[float, float]:
     torch.set_num_threads(1)
-    return _medians(_step(case, n, dim, "ring", rank, world_size), _floor(case, n, dim, world_size), repeats)
+    return _medians(_step(case, n, dim, communication, rank, world_size), _floor(case, n, dim, world_size), repeats)
 
 
-def _target(case: Case, mode: str, ratio: float, gather_ratio: float | None) -> tuple[str, float | None]:
-    """The target cell of a row, and ring ÷ gather for ring rows."""
+def _target(
+    case: Case, mode: str, ratio: float, gather_ratio: float | None, same_w_ratio: float | None = None
+) -> tuple[str, float | None]:
+    """The target cell of a row, and ring ÷ gather (one process) for ring rows."""
+    if mode.startswith("gather W"):
+        return "", None
     if mode != "gather":
         if gather_ratio is None:
             return "", None
         relative = ratio / gather_ratio
-        return f"÷ gather {relative:.2f} (≤ {RING_TARGET:.2f}) {'✓' if relative <= RING_TARGET else '✗'}", relative
+        cell = f"÷ gather {relative:.2f} (≤ {RING_TARGET:.2f}) {'✓' if relative <= RING_TARGET else '✗'}"
+        if same_w_ratio is not None:
+            cell += f"; ÷ gather at W {ratio / same_w_ratio:.2f}"
+        return cell, relative
     target = TARGETS.get(case.loss)
     if target is None or case.chunk is not None or case.dtype != "fp32":
         return "", None
@@ -184,23 +196,28 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             _step(case, args.n, args.dim, "gather", 0, 1), _floor(case, args.n, args.dim, 1), args.repeats
         )
         _progress(case, "gather", gather[case])
-    ring: dict[Case, tuple[float, float]] = {}
+    at_w: dict[str, dict[Case, tuple[float, float]]] = {"gather": {}, "ring": {}}
     ring_cases = [case for case in cases if case.loss in LOSSES] if args.world_size > 1 else []
     if ring_cases:
         with WorkerPool(args.world_size, timeout=3600, threads_per_process=1) as pool:
             for case in ring_cases:
-                per_rank = pool.run(_ring_rank, case, args.n, args.dim, args.repeats)
-                ring[case] = max(per_rank, key=lambda times: times[0] / times[1])
-                _progress(case, "ring", ring[case])
+                for communication, results in at_w.items():
+                    per_rank = pool.run(_rank_times, case, args.n, args.dim, args.repeats, communication)
+                    results[case] = max(per_rank, key=lambda times: times[0] / times[1])
+                    _progress(case, f"{communication} W={args.world_size}", results[case])
     rows = []
+    width = f"W={args.world_size}"
     for case in cases:
-        for mode, results in (("gather", gather), (f"ring W={args.world_size}", ring)):
+        modes = (("gather", gather), (f"gather {width}", at_w["gather"]), (f"ring {width}", at_w["ring"]))
+        for mode, results in modes:
             if case not in results:
                 continue
             seconds, floor_seconds = results[case]
             ratio = seconds / floor_seconds
             gather_ratio = gather[case][0] / gather[case][1]
-            target, relative = _target(case, mode, ratio, gather_ratio)
+            same_w = at_w["gather"].get(case)
+            same_w_ratio = None if same_w is None else same_w[0] / same_w[1]
+            target, relative = _target(case, mode, ratio, gather_ratio, same_w_ratio)
             rows.append(
                 {"loss": case.loss, "mode": mode, "call": _call_name(case), "dtype": case.dtype,
                  "ms": 1e3 * seconds, "floor ms": 1e3 * floor_seconds, "×floor": ratio, "target": target,

@@ -16,6 +16,7 @@ from loss_references import (
     encode,
     make_problem,
     ntxent_rows,
+    objective,
     package_value,
     reference_value,
     siglip_rows,
@@ -36,8 +37,9 @@ from contrastive_dist import (
     siglip,
     supcon,
 )
-from contrastive_dist.losses import _kernel
+from contrastive_dist.losses import _kernel, _same_key
 from contrastive_dist.losses._precision import PRODUCTS_VARIABLE, half_products
+from contrastive_dist.losses._unit import unit_rows
 
 COMMUNICATIONS = ("gather", "ring")
 
@@ -451,6 +453,50 @@ def test_distinct_ids_give_the_loss_without_ids(communication: str) -> None:
     assert "same_id='positive'" in repr(SigLIPLoss(same_id="positive"))
     with pytest.raises(ValueError, match=r"same_id must be one of \('mask', 'positive'\), got 'pull'"):
         DistributedInfoNCE(same_id="pull")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("communication", COMMUNICATIONS)
+@pytest.mark.parametrize("form", ["sparse", "dense"])
+def test_keys_as_pairs_or_as_a_mask_match_the_loop_reference(
+    form: str, communication: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Pairs that share a key (labels, ids) are kept as indices on the CPU when few, as a mask when many:
+    # each form alone, for every loss with keys, against the float64 loops.
+    monkeypatch.setattr(_same_key, "SPARSE_AT_MOST", 1.0 if form == "sparse" else -1.0)
+    cases = [(kind, rule) for kind in ("clip", "clip_one_way", "ntxent", "siglip") for rule in ("mask", "positive")]
+    cases += [(kind, "") for kind in KINDS if kind.startswith(("supcon", "dcl"))]
+    for kind, same_id in cases:
+        params, data = make_problem(seed=5, total=11, dtype=torch.float64)
+        for mode in ("weighted", "none"):
+            upstream = data["upstream"]
+            expected, expected_grads = value_and_grads(
+                objective(reference_value(kind, mode, params, data, same_id=same_id), mode, upstream), params
+            )
+            for chunk_size in (None, 4):
+                loss = package_value(kind, mode, params, data, chunk_size=chunk_size, communication=communication,
+                                     same_id=same_id)  # fmt: skip
+                loss, grads = value_and_grads(objective(loss, mode, upstream), params)
+                what = f"{kind} {same_id} {mode} chunk={chunk_size}"
+                assert_close(loss, expected, torch.float64, what)
+                for name in grads:
+                    assert_close(grads[name], expected_grads[name], torch.float64, f"{what} d/d{name}")
+
+
+def test_unit_rows_equal_f_normalize_in_value_and_gradient_zero_rows_included() -> None:
+    generator = torch.Generator().manual_seed(4)
+    rows = torch.randn(6, 2, 5, generator=generator, dtype=torch.float64)
+    rows[1, 0] = 0.0  # clamped: the gradient is the upstream over eps
+    rows[2, 1] *= 1e-13
+    upstream = torch.randn(rows.shape, generator=generator, dtype=torch.float64)
+    values, grads = [], []
+    for normalize in (unit_rows, lambda x: F.normalize(x, dim=-1)):
+        leaf = rows.clone().requires_grad_()
+        value = normalize(leaf)
+        (value * upstream).sum().backward()
+        values.append(value)
+        grads.append(leaf.grad)
+    assert torch.equal(values[0], values[1])
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=0)
 
 
 def test_the_products_policy_keeps_half_features_on_cuda_and_upcasts_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -37,6 +37,7 @@ from routes import ROUTES, on_route
 from torch import Tensor, nn
 
 from contrastive_dist import DistributedInfoNCE, SharedNegatives, info_nce, nt_xent, retrieval_accuracy, siglip, supcon
+from contrastive_dist.losses import _same_key
 from contrastive_dist.losses._precision import PRODUCTS_VARIABLE
 from contrastive_dist.testing import WorkerPool
 
@@ -95,18 +96,27 @@ def _local(data: dict[str, Tensor], shards: tuple[int, ...], negative_shards: tu
 
 def run_cases(rank: int, world_size: int, communication: str, all_cases: list[Case]) -> list[tuple[Tensor, dict]]:
     results = []
-    for seed, case in enumerate(all_cases):
-        kind, mode, negatives_kind, shards, negative_shards, dtype, chunk, sizes_given, same_id = case
-        params, data = make_problem(seed, sum(shards), getattr(torch, dtype), negatives=sum(negative_shards))
-        local = _local(data, shards, negative_shards, rank)
-        negatives, negative_ids = _negatives(negatives_kind, params, local, same_id)
-        inputs = dict(params, negatives=negatives) if negatives_kind == "own" else dict(params)
-        value = package_value(kind, mode, params, local, chunk_size=chunk, sizes=shards if sizes_given else None,
-                              communication=communication, negatives=negatives, same_id=same_id,
-                              negative_ids=negative_ids)
-        results.append(value_and_grads(objective(value, mode, local["upstream"]), inputs))
-        results[-1] = (value.detach(), results[-1][1])
+    sparse_at_most = _same_key.SPARSE_AT_MOST
+    try:
+        for seed, case in enumerate(all_cases):
+            # Pairs that share a key (ids, labels): as indices in one case, as a mask in the next (_same_key).
+            _same_key.SPARSE_AT_MOST = 1.0 if seed % 2 == 0 else -1.0
+            results.append(_run_case(seed, case, rank, communication))
+    finally:
+        _same_key.SPARSE_AT_MOST = sparse_at_most
     return results
+
+
+def _run_case(seed: int, case: Case, rank: int, communication: str) -> tuple[Tensor, dict]:
+    kind, mode, negatives_kind, shards, negative_shards, dtype, chunk, sizes_given, same_id = case
+    params, data = make_problem(seed, sum(shards), getattr(torch, dtype), negatives=sum(negative_shards))
+    local = _local(data, shards, negative_shards, rank)
+    negatives, negative_ids = _negatives(negatives_kind, params, local, same_id)
+    inputs = dict(params, negatives=negatives) if negatives_kind == "own" else dict(params)
+    value = package_value(kind, mode, params, local, chunk_size=chunk, sizes=shards if sizes_given else None,
+                          communication=communication, negatives=negatives, same_id=same_id,
+                          negative_ids=negative_ids)
+    return value.detach(), value_and_grads(objective(value, mode, local["upstream"]), inputs)[1]
 
 
 def _expected(seed: int, case: Case) -> tuple[Tensor, dict[str, Tensor]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from contrastive_dist.losses._same_key import SameKey
 from contrastive_dist.losses._targets import Targets
 
 _MAX, _REST, _EXACT = 0, 1, 2
@@ -34,7 +35,7 @@ def finish(state: Tensor) -> Tensor:
 
 
 def gradient_(
-    numerators: Tensor, state: Tensor, targets: Targets, positive_mask: Tensor | None, weights: Tensor | float
+    numerators: Tensor, state: Tensor, targets: Targets, positive_mask: SameKey | None, weights: Tensor | float
 ) -> Tensor:
     """``∂(Σ_i w_i ℓ_i) / ∂logits`` of one block, in place on its numerators: the softmax over the negatives."""
     total = _total(state)

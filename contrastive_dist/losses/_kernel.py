@@ -29,6 +29,7 @@ from contrastive_dist.engine._ring import Block
 from contrastive_dist.losses import _decoupled, _sigmoid, _softmax
 from contrastive_dist.losses._columns import Transport
 from contrastive_dist.losses._precision import add_product_, full_precision, product, upcast
+from contrastive_dist.losses._same_key import SameKey
 from contrastive_dist.losses._targets import RowTargets, Targets
 
 __all__ = [
@@ -63,13 +64,13 @@ class Family(NamedTuple):
 
     width: int
     empty_state: Callable[[int, Tensor], Tensor]
-    block_state_: Callable[[Tensor, Targets, Tensor | None], Tensor]
+    block_state_: Callable[[Tensor, Targets, SameKey | None], Tensor]
     merge_: Callable[[Tensor, Tensor], None]
     merged: Callable[[Tensor], Tensor]
     finish: Callable[[Tensor], Tensor]
     has_positive: Callable[[Tensor], Tensor]
     numerators_: Callable[..., Tensor]
-    gradient_: Callable[[Tensor, Tensor, Targets, Tensor | None, Tensor | float], Tensor]
+    gradient_: Callable[[Tensor, Tensor, Targets, SameKey | None, Tensor | float], Tensor]
     rebase_: Callable[[Tensor, Tensor, Tensor], Tensor]
 
 

@@ -1,22 +1,30 @@
-"""The rows' losses over every block a transport brings; backward meets every block again, recomputed.
+"""The rows' losses over every block a transport brings; backward meets every block again.
 
 Forward merges each block's contribution into the rows' running states (and, for ring mode's
 symmetric losses, into the travelling states of the block's own columns: one logit block serves
-both directions). Backward recomputes each block's logits and forms its gradient from the final
-states, with the upstream gradients as row weights; the keys' gradient follows its block home.
-Used by ring mode always, and by gather mode for per-row losses (whose key gradient mixes every
-row's upstream gradient, known only in backward).
+both directions). Backward forms each block's gradient from the final states, with the upstream
+gradients as row weights; the keys' gradient follows its block home. Used by ring mode always, and
+by gather mode for per-row losses (whose key gradient mixes every row's upstream gradient, known
+only in backward).
+
+**Kept or recomputed.** When a call's blocks are small enough (``chunk_size=None`` and at most
+:data:`~._kernel.BLOCK_LOGITS` logits in all, :func:`keeps`), forward keeps each block's numerators
+and its keys, and backward moves the numerators onto the rows' final state (a rescaling, no
+product) and only the gradients travel: three products per block, as in gather mode. Otherwise
+(an explicit ``chunk_size``: memory that does not grow with the number of ranks) backward receives
+every block again and recomputes its logits: four.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from contrastive_dist.engine._ring import Block
 from contrastive_dist.losses._kernel import (
+    BLOCK_LOGITS,
     LOCAL,
     Pairs,
     accumulate,
@@ -31,16 +39,18 @@ from contrastive_dist.losses._kernel import (
     own_block,
     scaled,
 )
-from contrastive_dist.losses._symmetric import column_block, column_gradient
+from contrastive_dist.losses._same_key import SameKey
+from contrastive_dist.losses._symmetric import ColumnBlock, column_block, column_gradient
 from contrastive_dist.losses._symmetric import column_state as column_state_of
+from contrastive_dist.losses._targets import Targets
 
-__all__ = ["pair_losses"]
+__all__ = ["keeps", "pair_losses"]
 
 
 def pair_losses(
     queries: Tensor, keys: Tensor, scale: Tensor, bias: Tensor | None, pairs: Pairs
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Each row's loss ``ℓ_i`` over every block the transport brings, blocks recomputed in backward.
+    """Each row's loss ``ℓ_i`` over every block the transport brings; gradients formed in backward.
 
     Returns:
         ``(rows, columns, has_positive)``: the rows' losses ``(n,)``; with :attr:`Pairs.columns`, the
@@ -54,6 +64,47 @@ def pair_losses(
     return _Recomputed.apply(queries, keys, scale, bias, pairs, wanted)  # type: ignore[no-any-return]
 
 
+def keeps(pairs: Pairs, dim: int) -> bool:
+    """Whether a call keeps its blocks for backward instead of recomputing them; the same on every rank.
+
+    With ``chunk_size=None``, when the numerators (both directions' for a symmetric loss) of the
+    largest rank's rows and the keys of every block fit :data:`~._kernel.BLOCK_LOGITS` numbers;
+    never under ``torch.compile``. Every rank decides alike from agreed sizes: in ring mode what
+    travels in backward depends on it.
+
+    Example:
+        >>> from contrastive_dist.losses._kernel import SOFTMAX, Pairs
+        >>> from contrastive_dist.losses._targets import RowTargets
+        >>> pairs = Pairs(SOFTMAX, RowTargets(), None, None, key_rows=(1024, 1024, 1024, 1024))
+        >>> keeps(pairs, 512), keeps(pairs._replace(chunk=256), 512), keeps(pairs._replace(key_rows=(8192,) * 4), 512)
+        (True, False, False)
+    """
+    if pairs.chunk is not None or torch.compiler.is_compiling() or not pairs.key_rows:
+        return False
+    columns = sum(pairs.key_rows) + (0 if pairs.local_keys is None else pairs.local_keys.shape[0])
+    directions = 1 if pairs.columns is None else 2
+    return directions * max(pairs.key_rows) * columns + columns * dim <= BLOCK_LOGITS
+
+
+class _Kept(NamedTuple):
+    """One chunk of one block, as forward left it for backward.
+
+    Attributes:
+        values: ``(c, m)`` the rows' numerators (softmax) or margins (sigmoid) against ``partial``.
+        partial: ``(c, width)`` the rows' state over this chunk alone; ``None``: against the final state.
+        targets, mask: the chunk's targets and positives by key.
+        columns: the columns' side (symmetric losses): numerators against ``column_partial``, or logits
+            (``column_partial`` ``None``).
+    """
+
+    values: Tensor
+    partial: Tensor | None
+    targets: Targets
+    mask: SameKey | None
+    columns: ColumnBlock | None = None
+    column_partial: Tensor | None = None
+
+
 class _Recomputed(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -62,21 +113,30 @@ class _Recomputed(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor, Tensor]:
         family, transport = pairs.family, pairs.transport
         row_state = family.empty_state(queries.shape[0], scale)
+        keep = keeps(pairs, keys.shape[1])
+        kept: dict[int, tuple[Block, list[_Kept]]] = {}
 
         def visit(owner: int, block: Block, column_state: Tensor | None) -> None:
             block_keys, column_keys = block[0], block[1] if len(block) > 1 else None
             if block_keys.shape[0] == 0:
                 return
             own_start = transport.own_start_of(owner) if owner != LOCAL else None
+            parts: list[_Kept] = []
             budget = chunk_budget(queries)
             for start, stop in chunks(queries.shape[0], pairs.chunk, block_keys.shape[0], budget=budget):
                 logits = block_logits(queries[start:stop], block_keys, scale, bias)
                 targets = pairs.rows.block(own_start, start, stop, column_keys)
+                columns, column_partial = None, None
                 if column_state is not None and column_state.shape[0]:
                     columns = column_block(pairs, logits, own_start, start, stop, targets, column_state.shape[0])
-                    family.merge_(column_state, column_state_of(pairs, columns))
-                chunk_state = family.block_state_(logits, targets, targets.positive_mask(logits))
+                    column_partial = column_state_of(pairs, columns)
+                    family.merge_(column_state, column_partial)
+                mask = targets.positive_mask(logits)
+                chunk_state = family.block_state_(logits, targets, mask)
                 family.merge_(row_state[start:stop], chunk_state)
+                parts.append(_Kept(logits, chunk_state, targets, mask, columns, column_partial))
+            if keep:
+                kept[owner] = (block, parts)
 
         own = own_block(keys, pairs.column_keys)
         new_column_state = None
@@ -92,7 +152,7 @@ class _Recomputed(torch.autograd.Function):
             column_state = transport.complete_columns(column_state, pairs.columns, family.merged)
             own_columns = transport.own_columns(column_state, pairs.columns)
         ctx.save_for_backward(queries, keys, scale, bias, row_state, column_state)
-        ctx.pairs, ctx.wanted = pairs, wanted
+        ctx.pairs, ctx.wanted, ctx.kept = pairs, wanted, kept if keep else None
         has_positive = family.has_positive(row_state)
         ctx.mark_non_differentiable(has_positive)
         return family.finish(row_state), family.finish(own_columns), has_positive
@@ -103,54 +163,70 @@ class _Recomputed(torch.autograd.Function):
         ctx: Any, row_grad: Tensor, column_grad: Tensor, _: Tensor
     ) -> tuple[Tensor | None, ...]:
         queries, keys, scale, bias, row_state, column_state = ctx.saved_tensors
-        pairs = ctx.pairs
+        pairs, kept = ctx.pairs, ctx.kept
+        ctx.kept = None  # the numerators are used up (turned into gradients) below
         want_query, want_key, want_scale, want_bias = ctx.wanted
         family, transport = pairs.family, pairs.transport
         grads = grads_for(queries, scale, want_query, want_scale, want_bias)
         symmetric = pairs.columns is not None
 
-        def visit(owner: int, block: Block, key_grad: Tensor | None) -> None:
-            block_keys, column_keys = block[0], block[1] if len(block) > 1 + symmetric else None
-            if block_keys.shape[0] == 0:
-                return
+        def recomputed(owner: int, block: Block, columns_here: Tensor | None) -> tuple[Block, list[_Kept]]:
+            """The block's chunks as forward formed them: its logits again, turned into numerators."""
+            block_keys, column_keys = block[0], block[1] if len(block) > 1 else None
             own_start = transport.own_start_of(owner) if owner != LOCAL else None
-            columns_here = block[-1] if symmetric and owner != LOCAL else None
-            if owner == LOCAL:
-                column_keys = block[1] if len(block) > 1 else None
+            parts = []
             budget = chunk_budget(queries)
             for start, stop in chunks(queries.shape[0], pairs.chunk, block_keys.shape[0], budget=budget):
-                chunk_queries = queries[start:stop]
-                logits = block_logits(chunk_queries, block_keys, scale, bias)
+                logits = block_logits(queries[start:stop], block_keys, scale, bias)
                 targets = pairs.rows.block(own_start, start, stop, column_keys)
-                column_logit_grad = None
+                columns = None
                 if columns_here is not None and columns_here.shape[0]:
-                    state, upstream = columns_here[:, :-1], columns_here[:, -1]
                     columns = column_block(pairs, logits, own_start, start, stop, targets, columns_here.shape[0])
-                    column_logit_grad = column_gradient(pairs, columns, state, upstream)
                 mask = targets.positive_mask(logits)
-                chunk_state = row_state[start:stop]
-                family.numerators_(logits, chunk_state, targets, mask)
-                logit_grad = family.gradient_(logits, chunk_state, targets, mask, row_grad[start:stop])
-                if column_logit_grad is not None:
-                    logit_grad[:, : column_logit_grad.shape[0]] += column_logit_grad.T
-                accumulate(logit_grad, chunk_queries, block_keys, start, grads, key_grad)
+                family.numerators_(logits, row_state[start:stop], targets, mask)
+                parts.append(_Kept(logits, None, targets, mask, columns))
+            return block, parts
 
-        own = own_block(keys, pairs.column_keys)
+        def visit(owner: int, block: Block, key_grad: Tensor | None) -> None:
+            columns_here = block[-1] if symmetric and owner != LOCAL else None
+            if kept is not None:
+                if owner not in kept:
+                    return  # an empty block
+                block, parts = kept[owner]
+            else:
+                block = block[:-1] if columns_here is not None else block
+                if block[0].shape[0] == 0:
+                    return
+                block, parts = recomputed(owner, block, columns_here)
+            block_keys = block[0]
+            budget = chunk_budget(queries)
+            spans = chunks(queries.shape[0], pairs.chunk, block_keys.shape[0], budget=budget)
+            for (start, stop), part in zip(spans, parts, strict=True):
+                chunk_state = row_state[start:stop]
+                values = part.values if part.partial is None else family.rebase_(part.values, part.partial, chunk_state)
+                logit_grad = family.gradient_(values, chunk_state, part.targets, part.mask, row_grad[start:stop])
+                if part.columns is not None and columns_here is not None:
+                    state, upstream = columns_here[:, :-1], columns_here[:, -1]
+                    column_logit_grad = column_gradient(pairs, part.columns, state, upstream, part.column_partial)
+                    logit_grad[:, : column_logit_grad.shape[0]] += column_logit_grad.T
+                accumulate(logit_grad, queries[start:stop], block_keys, start, grads, key_grad)
+
+        own: Block = () if kept is not None else own_block(keys, pairs.column_keys)
+        rows = [] if kept is not None else block_rows(pairs)
         if symmetric:
             upstream = transport.block_columns(column_grad.to(column_state.dtype), pairs.columns)
             own = (*own, torch.cat((column_state, upstream[:, None]), dim=1))
+            rows.append(pairs.columns)
         new_key_grad = None
         if want_key:
             key_rows = pairs.key_rows
             new_key_grad = lambda owner: scale.new_zeros(  # noqa: E731
                 (keys.shape[0] if owner < 0 else key_rows[owner], keys.shape[1])
             )
-        key_grad = transport.run(own, block_rows(pairs, with_columns=symmetric), visit, new_key_grad)
+        key_grad = transport.run(own, rows, visit, new_key_grad)
         if pairs.local_keys is not None:
             visit(LOCAL, own_block(pairs.local_keys.to(keys.dtype), pairs.local_column_keys), None)
         query_grad, scale_grad = scaled(grads, queries, scale)
         if key_grad is not None:  # home with every rank's contribution: scaled once
             key_grad.mul_(scale)
         return as_input(query_grad, queries), as_input(key_grad, keys), scale_grad, grads.bias, None, None
-
-

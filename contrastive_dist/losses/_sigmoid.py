@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from contrastive_dist.losses._same_key import SameKey
 from contrastive_dist.losses._targets import Targets
 
 WIDTH = 1
@@ -28,23 +29,23 @@ def empty_state(rows: int, like: Tensor) -> Tensor:
     return like.new_zeros((rows, WIDTH))
 
 
-def _flip_positives_(values: Tensor, targets: Targets, positive_mask: Tensor | None) -> Tensor:
+def _flip_positives_(values: Tensor, targets: Targets, positive_mask: SameKey | None) -> Tensor:
     """Negate the positive pairs' entries, in place (``−z`` is −1 there, +1 elsewhere)."""
     if positive_mask is not None:
-        return values.mul_(1.0 - 2.0 * positive_mask)
+        return positive_mask.flip_(values)
     if targets.positive is not None:
         targets.positive.write_(values, -targets.positive.read(values))
     return values
 
 
-def numerators_(logits: Tensor, state: Tensor | None, targets: Targets, positive_mask: Tensor | None) -> Tensor:
+def numerators_(logits: Tensor, state: Tensor | None, targets: Targets, positive_mask: SameKey | None) -> Tensor:
     """The margins ``−z · l``, in place; pairs the ``"mask"`` rule removes get ``-inf`` (no term, no gradient)."""
     margins = _flip_positives_(logits, targets, positive_mask)
     targets.exclude_(margins)
     return margins
 
 
-def block_state_(logits: Tensor, targets: Targets, positive_mask: Tensor | None) -> Tensor:
+def block_state_(logits: Tensor, targets: Targets, positive_mask: SameKey | None) -> Tensor:
     """The rows' sums over this block; ``logits`` become the margins (see :func:`numerators_`).
 
     Shape:
@@ -79,7 +80,7 @@ def rebase_(margins: Tensor, partial: Tensor, final: Tensor) -> Tensor:
 
 
 def gradient_(
-    margins: Tensor, state: Tensor, targets: Targets, positive_mask: Tensor | None, weights: Tensor | float
+    margins: Tensor, state: Tensor, targets: Targets, positive_mask: SameKey | None, weights: Tensor | float
 ) -> Tensor:
     """``∂(Σ_i w_i ℓ_i) / ∂logits`` of one block, in place on its margins: ``−z · σ(−z · l) · w``.
 

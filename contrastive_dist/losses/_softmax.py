@@ -33,7 +33,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from contrastive_dist.losses._targets import MASKED, Targets
+from contrastive_dist.losses._same_key import SameKey
+from contrastive_dist.losses._targets import MASKED, Located, Targets
 
 __all__ = [
     "WIDTH",
@@ -69,13 +70,13 @@ def _finite(row_max: Tensor) -> Tensor:
     return torch.where(torch.isinf(row_max), 0.0, row_max)
 
 
-def block_state_(logits: Tensor, targets: Targets, positive_mask: Tensor | None) -> Tensor:
+def block_state_(logits: Tensor, targets: Targets, positive_mask: SameKey | None) -> Tensor:
     """The state of one block's rows; turns ``logits`` into the numerators ``exp(l − m_block)``, in place.
 
     Args:
         logits: ``(c, m)`` logits of this block, overwritten (excluded columns become 0).
         targets: where the rows' positives and excluded columns are in this block.
-        positive_mask: ``(c, m)`` 1 where a column is a positive (positives given by equal keys), from
+        positive_mask: the entries that are positives (positives given by equal keys), from
             :meth:`Targets.positive_mask`; ``None`` for a single positive column per row.
 
     Returns:
@@ -85,37 +86,36 @@ def block_state_(logits: Tensor, targets: Targets, positive_mask: Tensor | None)
     positive = targets.positive
     if positive_mask is not None:
         # The positives' logits before the shift; excluded columns are not positives (the mask says so).
-        state[:, _POSITIVE_SUM] = torch.mul(positive_mask, logits).sum(dim=1)
-        state[:, _POSITIVE_COUNT] = positive_mask.sum(dim=1)
+        state[:, _POSITIVE_SUM] = positive_mask.row_sums(logits)
+        state[:, _POSITIVE_COUNT] = positive_mask.counts(logits)
     elif positive is not None:
         state[:, _POSITIVE_SUM] = positive.read(logits)
         state[:, _POSITIVE_COUNT] = positive.presence(logits)
     targets.exclude_(logits)
-    # amax, not max(dim) with indices: the latter costs as much as the exp pass on CPU.
-    row_max = logits.amax(dim=1)
+    if positive is None and positive_mask is not None:
+        # Rows without a single positive (SupCon's anchors) keep the maximum's own term exact instead:
+        # it is 1 after the shift. Ties with it are summed with the rest: they make the loss at least
+        # log 2, so their rounding does not matter.
+        row_max, top = logits.max(dim=1, keepdim=True)
+        positive = Located(top)
+    else:
+        # amax, not max(dim) with indices: the latter costs as much as the exp pass on CPU.
+        row_max = logits.amax(dim=1)
+    row_max = row_max.view(-1)
     row_max = torch.where(row_max < -0.5 * MASKED, float("-inf"), row_max)  # no candidate in this block
     state[:, _MAX] = row_max
     shifted = logits.sub_(_finite(row_max)[:, None])
-    if positive is not None:
-        # The row's own pair's term (exactly 1 when it is the maximum) stays out of the sum, counted
-        # exactly; with positives by key it is one of them, and any other makes the loss ≥ log 2.
-        numerators = shifted.exp_()
-        own = positive.read(numerators)
-        positive.write_(numerators, 0.0)
-        state[:, _REST] = numerators.sum(dim=1)
-        state[:, _EXACT] = own
-        positive.write_(numerators, own)
-    elif positive_mask is None:
+    if positive is None:
         state[:, _REST] = shifted.exp_().sum(dim=1)
-    else:
-        # The maxima's terms (each exactly 1) stay out of the sum and are counted instead, ties included.
-        # (Comparisons written into a float tensor: several times faster than bool masks on CPU.)
-        at_max = torch.eq(shifted, 0.0, out=torch.empty_like(shifted))
-        numerators = shifted.exp_()
-        numerators.addcmul_(at_max, numerators, value=-1.0)  # the maxima's terms out ...
-        state[:, _REST] = numerators.sum(dim=1)
-        state[:, _EXACT] = at_max.sum(dim=1)
-        numerators.add_(at_max)  # ... and back in, for the softmax
+        return state
+    # The row's own pair's term (exactly 1 when it is the maximum) stays out of the sum, counted
+    # exactly; with positives by key it is one of them, and any other makes the loss ≥ log 2.
+    numerators = shifted.exp_()
+    own = positive.read(numerators)
+    positive.write_(numerators, 0.0)
+    state[:, _REST] = numerators.sum(dim=1)
+    state[:, _EXACT] = own
+    positive.write_(numerators, own)
     return state
 
 
@@ -167,7 +167,7 @@ def has_positive(state: Tensor) -> Tensor:
     return state[:, _POSITIVE_COUNT] > 0
 
 
-def numerators_(logits: Tensor, state: Tensor, targets: Targets, positive_mask: Tensor | None = None) -> Tensor:
+def numerators_(logits: Tensor, state: Tensor, targets: Targets, positive_mask: SameKey | None = None) -> Tensor:
     """``exp(l − m)`` against the rows' final maxima, in place (excluded columns 0): for a recomputed block.
 
     Shape:
@@ -193,7 +193,7 @@ def rebase_(numerators: Tensor, partial: Tensor, final: Tensor) -> Tensor:
 
 
 def gradient_(
-    numerators: Tensor, state: Tensor, targets: Targets, positive_mask: Tensor | None, weights: Tensor | float
+    numerators: Tensor, state: Tensor, targets: Targets, positive_mask: SameKey | None, weights: Tensor | float
 ) -> Tensor:
     """``∂(Σ_i w_i ℓ_i) / ∂logits`` of one block, in place on its numerators; rows without positives get 0.
 
@@ -222,4 +222,4 @@ def gradient_(
         return numerators
     numerators.mul_(softmax_weight[:, None])
     count = state[:, _POSITIVE_COUNT].clamp(min=1.0)
-    return numerators.addcmul_(positive_mask, (live / count)[:, None], value=-1.0)
+    return positive_mask.add_(numerators, live / count, alpha=-1.0)

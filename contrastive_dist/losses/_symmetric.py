@@ -16,6 +16,7 @@ from typing import NamedTuple
 from torch import Tensor
 
 from contrastive_dist.losses._kernel import Pairs, transposed_copy
+from contrastive_dist.losses._same_key import SameKey
 from contrastive_dist.losses._targets import Targets
 
 __all__ = ["ColumnBlock", "column_block", "column_gradient", "column_state", "column_targets"]
@@ -32,7 +33,7 @@ class ColumnBlock(NamedTuple):
 
     values: Tensor
     targets: Targets
-    positive_mask: Tensor | None
+    positive_mask: SameKey | None
 
 
 def column_block(

@@ -16,6 +16,8 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from contrastive_dist.losses._same_key import SameKey, same_key
+
 __all__ = [
     "MASKED",
     "SMALL_KEYS",
@@ -126,21 +128,14 @@ class Targets(NamedTuple):
     column_keys: Tensor | None = None
     key_rule: KeyRule = "positive"
 
-    def _same_key(self, like: Tensor) -> Tensor | None:
-        """``(c, m)`` 1 where a row and a column share a key, in ``like``'s dtype."""
+    def _same_key(self, like: Tensor) -> SameKey | None:
+        """The entries of ``like``'s block whose row and column share a key, or ``None`` without keys."""
         if self.row_keys is None or self.column_keys is None:
             return None
-        keyed = self.column_keys.shape[0]
-        if keyed == like.shape[1]:
-            # A fresh contiguous out= (empty_like would copy a transposed block's strides, refused by torch.compile).
-            return torch.eq(self.row_keys[:, None], self.column_keys[None, :], out=like.new_empty(like.shape))
-        same = like.new_zeros(like.shape)
-        # Assigned, not written through out= (a column slice is not contiguous, which torch.compile refuses).
-        same[:, :keyed] = torch.eq(self.row_keys[:, None], self.column_keys[None, :])
-        return same
+        return same_key(self.row_keys, self.column_keys, like)
 
-    def positive_mask(self, like: Tensor) -> Tensor | None:
-        """``(c, m)`` 1 where a column is one of the row's positives by key (never an excluded one), else ``None``.
+    def positive_mask(self, like: Tensor) -> SameKey | None:
+        """The entries that are the rows' positives by key (never an excluded one), else ``None``.
 
         ``None`` means one positive column per row (:attr:`positive`) or, in this block, none.
         """
@@ -148,7 +143,7 @@ class Targets(NamedTuple):
             return None
         mask = self._same_key(like)
         if mask is not None and self.excluded is not None:
-            self.excluded.write_(mask, 0.0)
+            mask = mask.without(self.excluded.column, self.excluded.present)
         return mask
 
     def exclude_(self, logits: Tensor) -> None:
@@ -158,10 +153,10 @@ class Targets(NamedTuple):
         """
         if self.key_rule == "mask" and (same := self._same_key(logits)) is not None:
             if self.positive is not None:
-                self.positive.write_(same, 0.0)
+                same = same.without(self.positive.column, self.positive.present)
             # Pushed below any candidate by MASKED instead of set to -inf: one multiply-add pass, several
             # times faster than a masked fill on CPU; their exponentials underflow to exactly 0.
-            logits.add_(same, alpha=-MASKED)
+            same.lower_(logits, MASKED)
         if self.excluded is not None:
             self.excluded.write_(logits, float("-inf"))
 

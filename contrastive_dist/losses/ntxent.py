@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -17,6 +16,7 @@ from contrastive_dist.losses._module import HeldOptions
 from contrastive_dist.losses._options import Communication, Reduction, SameId
 from contrastive_dist.losses._precision import full_precision, upcast
 from contrastive_dist.losses._targets import pair_targets
+from contrastive_dist.losses._unit import unit_rows
 
 __all__ = ["NTXentLoss", "nt_xent"]
 
@@ -120,7 +120,7 @@ def two_views(
     Shape:
         first, second: ``(n_r, D)``; keys: ``(n_r,)``; output: ``(2 n_r, D)``, ``(2 n_r,)``, ``(2 n_r,)``.
     """
-    views = F.normalize(upcast(torch.stack((first, second), dim=1)), dim=-1).flatten(0, 1)
+    views = unit_rows(upcast(torch.stack((first, second), dim=1))).flatten(0, 1)
     keys = None if keys is None else keys.repeat_interleave(2)
     weights = None if call.weights is None else call.weights.repeat_interleave(2)
     return views, keys, weights
