@@ -20,9 +20,12 @@ so other load on the machine moves it little) and reports the medians of ``--rep
 ``ms`` (the loss), ``floor ms`` and their ratio ``×floor``.
 
 **Calls.** ``default`` is the call with its default arguments (``chunk_size=None``); ``chunk256`` adds
-``chunk_size=256`` (``--chunk``). ``info_nce(images, texts)`` (symmetric), ``siglip(images, texts,
-scale, bias)`` with a learnable scale 10 and bias −10, ``nt_xent(z1, z2)``, ``supcon(features,
-labels)`` with two views per sample and four samples per label; features L2-normalised.
+``chunk_size=256`` (``--chunk``); ``default+ids`` adds ``ids=`` (one sample in 50 shares its
+neighbour's id, as repeated captions do) to InfoNCE, SigLIP and NT-Xent, float32, one process: its
+``target`` is its time ÷ the same call's without ids (≤ 1.10). ``info_nce(images, texts)``
+(symmetric), ``siglip(images, texts, scale, bias)`` with a learnable scale 10 and bias −10,
+``nt_xent(z1, z2)``, ``supcon(features, labels)`` with two views per sample and four samples per
+label; features L2-normalised.
 Peers on the same inputs and floor, one process: open_clip's ``ClipLoss()`` (constant scale 1/0.07,
 like ``info_nce``'s default) and ``SigLipLoss()`` (learnable scale and bias); skipped if missing.
 
@@ -48,6 +51,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 import contrastive_dist
 from contrastive_dist.testing import WorkerPool
@@ -59,6 +63,9 @@ TARGETS = {"siglip": 1.10, "info_nce": 1.45, "nt_xent": 1.55, "supcon": 1.60}
 """×floor targets of the default call, float32, gather mode."""
 RING_TARGET = 1.10
 """Ring mode's ×floor at most this times gather mode's."""
+IDS_TARGET = 1.10
+"""A call with ``ids=`` at most this times the same call without (gather mode, one process)."""
+ID_LOSSES = ("info_nce", "siglip", "nt_xent")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 COLUMNS = ("loss", "mode", "call", "dtype", "ms", "floor ms", "×floor", "target")
 
@@ -67,10 +74,18 @@ class Case(NamedTuple):
     loss: str
     chunk: int | None
     dtype: str
+    ids: bool = False
 
 
 def _call_name(case: Case) -> str:
-    return "default" if case.chunk is None else f"chunk{case.chunk}"
+    return ("default" if case.chunk is None else f"chunk{case.chunk}") + ("+ids" if case.ids else "")
+
+
+def _ids(n: int) -> Tensor:
+    """Sample ids of a global batch of ``n``: one sample in 50 shares its neighbour's (repeated captions)."""
+    ids = torch.arange(n)
+    ids[1::50] = ids[0::50][: ids[1::50].numel()]
+    return ids
 
 
 def _view(seed: int, n: int, dim: int, rows: slice, dtype: torch.dtype) -> torch.Tensor:
@@ -86,6 +101,8 @@ def _step(case: Case, n: int, dim: int, communication: str, rank: int, world_siz
     first, second = (_view(seed, n, dim, rows, dtype).requires_grad_() for seed in (1, 2))
     leaves = [first, second]
     options: dict[str, Any] = {"chunk_size": case.chunk, "communication": communication}
+    if case.ids:
+        options["ids"] = _ids(n)[rows]
     scale, bias = torch.tensor(10.0, requires_grad=True), torch.tensor(-10.0, requires_grad=True)
     loss: Callable[[], torch.Tensor]
     if case.loss == "info_nce":
@@ -174,6 +191,11 @@ def _target(
         if same_w_ratio is not None:
             cell += f"; ÷ gather at W {ratio / same_w_ratio:.2f}"
         return cell, relative
+    if case.ids:  # the cost of ids: against the same call without
+        if gather_ratio is None:
+            return "", None
+        relative = ratio / gather_ratio
+        return f"÷ no ids {relative:.2f} (≤ {IDS_TARGET:.2f}) {'✓' if relative <= IDS_TARGET else '✗'}", relative
     target = TARGETS.get(case.loss)
     if target is None or case.chunk is not None or case.dtype != "fp32":
         return "", None
@@ -190,6 +212,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         for chunk in ((None, args.chunk) if loss in LOSSES else (None,))  # the peers have no chunk option
         for dtype in args.dtypes
     ]
+    if not args.no_ids:  # the default call with ids, one process only
+        cases += [Case(loss, None, "fp32", ids=True) for loss in ID_LOSSES if loss in losses and "fp32" in args.dtypes]
     gather: dict[Case, tuple[float, float]] = {}
     for case in cases:
         gather[case] = _medians(
@@ -197,7 +221,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
         _progress(case, "gather", gather[case])
     at_w: dict[str, dict[Case, tuple[float, float]]] = {"gather": {}, "ring": {}}
-    ring_cases = [case for case in cases if case.loss in LOSSES] if args.world_size > 1 else []
+    ring_cases = [case for case in cases if case.loss in LOSSES and not case.ids] if args.world_size > 1 else []
     if ring_cases:
         with WorkerPool(args.world_size, timeout=3600, threads_per_process=1) as pool:
             for case in ring_cases:
@@ -214,7 +238,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 continue
             seconds, floor_seconds = results[case]
             ratio = seconds / floor_seconds
-            gather_ratio = gather[case][0] / gather[case][1]
+            base = gather[case._replace(ids=False)]  # an ids row compares with the same call without
+            gather_ratio = base[0] / base[1]
             same_w = at_w["gather"].get(case)
             same_w_ratio = None if same_w is None else same_w[0] / same_w[1]
             target, relative = _target(case, mode, ratio, gather_ratio, same_w_ratio)
@@ -268,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--no-ring", action="store_true", help="gather rows only")
     parser.add_argument("--no-peers", action="store_true", help="no open_clip rows")
+    parser.add_argument("--no-ids", action="store_true", help="no rows of the default call with ids=")
     parser.add_argument("--quick", action="store_true", help="n = 64, D = 16, 1 repeat, chunk 16: a smoke test")
     parser.add_argument("--csv", help="also write the rows to this CSV file")
     args = parser.parse_args(argv)

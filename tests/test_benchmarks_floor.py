@@ -40,12 +40,14 @@ def test_quick_run_has_every_row(tmp_path: Path, capsys: pytest.CaptureFixture[s
         for dtype in floor.DTYPES
         for mode in ("gather", "gather W=2", "ring W=2")
     ] + [(peer, "gather", "default", dtype) for peer in floor.PEERS for dtype in floor.DTYPES]
+    expected += [(loss, "gather", "default+ids", "fp32") for loss in floor.ID_LOSSES]
     with open(path, newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert sorted((row["loss"], row["mode"], row["call"], row["dtype"]) for row in rows) == sorted(expected)
     assert all(float(row["ms"]) >= 0 and float(row["floor ms"]) > 0 for row in rows)
     ring_rows = [row for row in rows if row["mode"].startswith("ring")]
     assert all(float(row["ring ÷ gather"]) > 0 and "÷ gather at W" in row["target"] for row in ring_rows)
+    assert all(row["target"].startswith("÷ no ids") for row in rows if row["call"].endswith("+ids"))
     targets = {row["loss"]: row["target"] for row in rows if row["target"].startswith("≤")}
     assert set(targets) == set(floor.TARGETS)
     table = capsys.readouterr().out

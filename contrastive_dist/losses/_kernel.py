@@ -107,6 +107,8 @@ class Pairs(NamedTuple):
         local_column_keys: ``(K,)`` their keys, or ``None``.
         column_weights: gather mode's symmetric losses: ``(Σ columns,)`` the weights of the block's
             columns with a loss (their pairs' weights, gathered), or ``None`` (all 1).
+        gram: Gram losses (the rows are this rank's own block of the columns, the same vectors): the
+            targets of every row of the global matrix, in the columns' order (:mod:`._gram`); else ``None``.
     """
 
     family: Family
@@ -120,6 +122,7 @@ class Pairs(NamedTuple):
     local_keys: Tensor | None = None
     local_column_keys: Tensor | None = None
     column_weights: Tensor | None = None
+    gram: RowTargets | None = None
 
 
 Backward = Callable[..., tuple[Tensor | None, ...]]

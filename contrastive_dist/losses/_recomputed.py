@@ -64,26 +64,26 @@ def pair_losses(
     return _Recomputed.apply(queries, keys, scale, bias, pairs, wanted)  # type: ignore[no-any-return]
 
 
-def keeps(pairs: Pairs, dim: int) -> bool:
+def keeps(pairs: Pairs) -> bool:
     """Whether a call keeps its blocks for backward instead of recomputing them; the same on every rank.
 
-    With ``chunk_size=None``, when the numerators (both directions' for a symmetric loss) of the
-    largest rank's rows and the keys of every block fit :data:`~._kernel.BLOCK_LOGITS` numbers;
-    never under ``torch.compile``. Every rank decides alike from agreed sizes: in ring mode what
-    travels in backward depends on it.
+    With ``chunk_size=None``, when the numerators of the largest rank's rows (both directions' for a
+    symmetric loss) fit :data:`~._kernel.BLOCK_LOGITS`, as gather mode's one block does (the blocks'
+    keys kept besides are every rank's, as gather mode holds them); never under ``torch.compile``.
+    Every rank decides alike, from agreed sizes: in ring mode what travels in backward depends on it.
 
     Example:
         >>> from contrastive_dist.losses._kernel import SOFTMAX, Pairs
         >>> from contrastive_dist.losses._targets import RowTargets
         >>> pairs = Pairs(SOFTMAX, RowTargets(), None, None, key_rows=(1024, 1024, 1024, 1024))
-        >>> keeps(pairs, 512), keeps(pairs._replace(chunk=256), 512), keeps(pairs._replace(key_rows=(8192,) * 4), 512)
+        >>> keeps(pairs), keeps(pairs._replace(chunk=256)), keeps(pairs._replace(key_rows=(8192,) * 4))
         (True, False, False)
     """
     if pairs.chunk is not None or torch.compiler.is_compiling() or not pairs.key_rows:
         return False
     columns = sum(pairs.key_rows) + (0 if pairs.local_keys is None else pairs.local_keys.shape[0])
     directions = 1 if pairs.columns is None else 2
-    return directions * max(pairs.key_rows) * columns + columns * dim <= BLOCK_LOGITS
+    return directions * max(pairs.key_rows) * columns <= BLOCK_LOGITS
 
 
 class _Kept(NamedTuple):
@@ -113,7 +113,7 @@ class _Recomputed(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor, Tensor]:
         family, transport = pairs.family, pairs.transport
         row_state = family.empty_state(queries.shape[0], scale)
-        keep = keeps(pairs, keys.shape[1])
+        keep = keeps(pairs)
         kept: dict[int, tuple[Block, list[_Kept]]] = {}
 
         def visit(owner: int, block: Block, column_state: Tensor | None) -> None:

@@ -20,8 +20,10 @@ from torch.distributed import ProcessGroup
 
 from contrastive_dist.engine._agreement import Layout
 from contrastive_dist.engine._wire import all_reduce
+from contrastive_dist.losses import _epilogue
 from contrastive_dist.losses._columns import OneBlock
 from contrastive_dist.losses._fused import weighted_pair_sum
+from contrastive_dist.losses._gram import gram_pair_sum
 from contrastive_dist.losses._kernel import Pairs
 from contrastive_dist.losses._recomputed import pair_losses
 
@@ -80,6 +82,20 @@ class Direction(NamedTuple):
     pairs: Pairs
 
 
+def takes_gram(direction: Direction) -> bool:
+    """Whether a Gram loss's weighted sum takes :mod:`._gram` (half the logits, two products).
+
+    Not where the fused Triton epilogue serves (its rows-against-columns kernel), not under
+    ``torch.compile`` (the exchange of its pass is eager), not with columns held here.
+    """
+    pairs = direction.pairs
+    if pairs.gram is None or pairs.local_keys is not None or direction.bias is not None:
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    return not _epilogue.fused(pairs, direction.queries, direction.keys)
+
+
 def mean_over_directions(
     directions: Sequence[Direction], *, weights: Tensor | None, per_row: bool
 ) -> tuple[Tensor, Tensor]:
@@ -99,7 +115,10 @@ def mean_over_directions(
     for direction in directions:
         symmetric = direction.pairs.columns is not None
         if not per_row and isinstance(direction.pairs.transport, OneBlock):
-            total, has = weighted_pair_sum(*direction, weights)  # both directions' sum, when symmetric
+            if takes_gram(direction):
+                total, has = gram_pair_sum(direction.queries, direction.keys, direction.scale, direction.pairs, weights)
+            else:
+                total, has = weighted_pair_sum(*direction, weights)  # both directions' sum, when symmetric
             parts.append(total)
         else:
             rows, columns, has = pair_losses(*direction)

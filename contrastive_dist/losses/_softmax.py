@@ -92,12 +92,13 @@ def block_state_(logits: Tensor, targets: Targets, positive_mask: SameKey | None
         state[:, _POSITIVE_SUM] = positive.read(logits)
         state[:, _POSITIVE_COUNT] = positive.presence(logits)
     targets.exclude_(logits)
-    if positive is None and positive_mask is not None:
-        # Rows without a single positive (SupCon's anchors) keep the maximum's own term exact instead:
-        # it is 1 after the shift. Ties with it are summed with the rest: they make the loss at least
-        # log 2, so their rounding does not matter.
+    # Rows without a single positive (SupCon's anchors) keep the maximum's own term exact instead: it
+    # is 1 after the shift. Along contiguous rows max(dim) finds it with the maximum; elsewhere (a
+    # block seen transposed) that is slow, and every term equal to the maximum is counted instead.
+    by_key = positive is None and positive_mask is not None
+    if by_key and logits.stride(-1) == 1:
         row_max, top = logits.max(dim=1, keepdim=True)
-        positive = Located(top)
+        positive, by_key = Located(top), False
     else:
         # amax, not max(dim) with indices: the latter costs as much as the exp pass on CPU.
         row_max = logits.amax(dim=1)
@@ -105,11 +106,21 @@ def block_state_(logits: Tensor, targets: Targets, positive_mask: SameKey | None
     row_max = torch.where(row_max < -0.5 * MASKED, float("-inf"), row_max)  # no candidate in this block
     state[:, _MAX] = row_max
     shifted = logits.sub_(_finite(row_max)[:, None])
+    if by_key:
+        # (Comparisons written into a float tensor: several times faster than bool masks on CPU.)
+        at_max = torch.eq(shifted, 0.0, out=torch.empty_like(shifted))
+        numerators = shifted.exp_()
+        numerators.addcmul_(at_max, numerators, value=-1.0)  # the maxima's terms out ...
+        state[:, _REST] = numerators.sum(dim=1)
+        state[:, _EXACT] = at_max.sum(dim=1)
+        numerators.add_(at_max)  # ... and back in, for the softmax
+        return state
     if positive is None:
         state[:, _REST] = shifted.exp_().sum(dim=1)
         return state
     # The row's own pair's term (exactly 1 when it is the maximum) stays out of the sum, counted
-    # exactly; with positives by key it is one of them, and any other makes the loss ≥ log 2.
+    # exactly; with positives by key it is one of them (or the maximum's), and any other makes the
+    # loss ≥ log 2: ties with it are summed with the rest, where their rounding does not matter.
     numerators = shifted.exp_()
     own = positive.read(numerators)
     positive.write_(numerators, 0.0)

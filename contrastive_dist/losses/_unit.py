@@ -47,5 +47,6 @@ class _UnitRows(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
         unit, clamped, free = ctx.saved_tensors
         # Along the row only where the norm was not clamped (a clamped row is x / eps: its Jacobian is I / eps).
-        along = torch.linalg.vecdot(unit, grad, dim=-1).unsqueeze(-1) * free
+        # A product and a sum, not vecdot: autocast would round vecdot (a matrix product to it) to half.
+        along = (unit * grad).sum(dim=-1, keepdim=True) * free
         return (grad - unit * along) / clamped, None

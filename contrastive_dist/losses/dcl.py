@@ -76,7 +76,8 @@ def dcl(
         keys = call.keys(index, small=call.ids is not None or sum(call.layout.sizes) <= 2**24)
         views, anchor_keys, anchor_weights = two_views(call, first, second, keys)
         columns = call.meet((views, anchor_keys), per_sample=2)
-        pairs = call.pairs(DECOUPLED, RowTargets(keys=anchor_keys, key_rule="mask"), columns, keyed=True)
+        gram = RowTargets(keys=columns.tensors[1], key_rule="mask")  # every row of the global matrix
+        pairs = call.pairs(DECOUPLED, RowTargets(keys=anchor_keys, key_rule="mask"), columns, keyed=True, gram=gram)
         value, has_negative = call.pair_sum(views, columns.tensors[0], pairs, weights=anchor_weights)
         cosine = (views[0::2] * views[1::2]).sum(dim=1)
         v = given if given is not None else torch.ones_like(cosine)

@@ -103,7 +103,10 @@ def nt_xent(
         columns = call.meet((views, keys), per_sample=2)
         anchors = torch.arange(views.shape[0], device=views.device)
         targets = pair_targets(anchors ^ 1, excluded=anchors, keys=keys, same_id=same_id)  # the other view; not itself
-        pairs = call.pairs(SOFTMAX, targets, columns, keyed=keys is not None)
+        every = torch.arange(sum(columns.rows), device=views.device)  # every row of the global matrix
+        column_keys = columns.tensors[1] if keys is not None else None
+        gram = pair_targets(every ^ 1, excluded=every, keys=column_keys, same_id=same_id)
+        pairs = call.pairs(SOFTMAX, targets, columns, keyed=keys is not None, gram=gram)
         value, _ = call.pair_sum(views, columns.tensors[0], pairs, weights=anchor_weights)
     # a sample's loss: the mean of its two anchors'
     return value.view(-1, 2).mean(dim=1) if call.per_row else call.share(value * 0.5)

@@ -116,7 +116,9 @@ def supcon(
         columns = call.meet((embeddings, embedding_labels), per_sample=views)
         anchors = torch.arange(embeddings.shape[0], device=checked.device)
         # positives: the other rows of its label
-        pairs = call.pairs(SOFTMAX, RowTargets(excluded=anchors, keys=embedding_labels), columns, keyed=True)
+        every = torch.arange(sum(columns.rows), device=checked.device)  # every row of the global matrix
+        gram = RowTargets(excluded=every, keys=columns.tensors[1])
+        pairs = call.pairs(SOFTMAX, RowTargets(excluded=anchors, keys=embedding_labels), columns, keyed=True, gram=gram)
         anchor_weights = None if call.weights is None else call.weights.repeat_interleave(views)
         value, has_positives = call.pair_sum(embeddings, columns.tensors[0], pairs, weights=anchor_weights)
     if call.per_row:

@@ -1,0 +1,238 @@
+"""Gram losses (NT-Xent, SupCon, DCL) in gather mode: each pair of tiles of their symmetric matrix formed once.
+
+Their rows are also their columns: the logit matrix of the global batch ``L = s · Z Zᵀ`` is
+symmetric, and its gradient is ``s (G + Gᵀ) Z`` — two products where a rows-against-columns
+kernel takes three (the logits, ``G K`` and ``Gᵀ Q``). Here the rows are cut into tiles and each
+unordered pair of tiles ``{A, B}`` is formed once, by one rank: its block ``L_AB`` gives the rows
+of ``A`` their state over the columns of ``B`` and, read transposed, the rows of ``B`` theirs over
+``A``. Every rank's partial states of every row are merged by one exchange (an ``M × 5`` array
+each); then each pair's block is formed again, ``S = G_AB + G_BAᵀ`` from the final states, and
+``dZ_A += S Z_B``, ``dZ_B += Sᵀ Z_A``. Half the logits, then half again and the gradient's two
+halves: two products in all, memory of one tile pair.
+
+Which rank forms a pair: a rank's own pairs (``A ≤ B``) are its own; a pair across ranks ``r`` and
+``q`` goes to the one of them that precedes the other by less than half the ring (ranks opposite
+each other split their pairs by the tiles' parity), so that every rank forms about the same number.
+The gradients of other ranks' rows go home through the gather's reduce-scatter, like every column's.
+
+Used for the weighted sum (:func:`._reduction.mean_over_directions`, gather mode) when the fused
+Triton epilogue does not apply and not under ``torch.compile``; the rows-against-columns kernel
+(:mod:`._fused`) stays the reference.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from contrastive_dist.losses._columns import OneBlock
+from contrastive_dist.losses._kernel import (
+    BLOCK_LOGITS,
+    Grads,
+    Pairs,
+    accumulate,
+    block_logits,
+    first_order_only,
+    gradients_wanted,
+    transposed_copy,
+)
+from contrastive_dist.losses._precision import upcast
+from contrastive_dist.losses._targets import RowTargets, Targets, partly_located
+
+__all__ = ["Tile", "gram_pair_sum", "tiles"]
+
+
+class Tile(NamedTuple):
+    """A pair of tiles ``rows × columns`` of the global matrix (global row ranges ``[start, stop)``)."""
+
+    rows: tuple[int, int]
+    columns: tuple[int, int]
+
+    @property
+    def diagonal(self) -> bool:
+        return self.rows == self.columns
+
+
+def tiles(counts: tuple[int, ...], rank: int, size: int) -> list[Tile]:
+    """The pairs of tiles ``rank`` forms, its own rows' tiles first in each, for ranks of ``counts`` rows.
+
+    Example:
+        >>> [(tile.rows, tile.columns) for tile in tiles((4, 2), 0, 2)]  # two ranks: opposite, the pairs split
+        [((0, 2), (0, 2)), ((0, 2), (2, 4)), ((2, 4), (2, 4)), ((0, 2), (4, 6))]
+        >>> [(tile.rows, tile.columns) for tile in tiles((4, 2), 1, 2)]
+        [((4, 6), (4, 6)), ((4, 6), (2, 4))]
+    """
+    world_size, starts = len(counts), [sum(counts[:r]) for r in range(len(counts))]
+
+    def spans(owner: int) -> list[tuple[int, int]]:
+        begin, end = starts[owner], starts[owner] + counts[owner]
+        return [(start, min(start + size, end)) for start in range(begin, end, size)]
+
+    own = spans(rank)
+    formed = [Tile(a, b) for i, a in enumerate(own) for b in own[i:]]
+    for other in range(world_size):
+        ahead = (other - rank) % world_size
+        if other == rank or 2 * ahead > world_size:
+            continue  # the other rank forms these
+        for i, a in enumerate(own):
+            for j, b in enumerate(spans(other)):
+                # Ranks opposite each other split their pairs: the lower rank takes those of even parity.
+                if 2 * ahead < world_size or ((i + j) % 2 == 0) == (rank < other):
+                    formed.append(Tile(a, b))
+    return formed
+
+
+CPU_TILE_LOGITS = 2**21
+"""The default tile on the CPU: 1448 × 1448 logits (8 MiB of float32). Measured with
+``benchmarks/floor.py`` (NT-Xent and SupCon, n = 4096): 1.29–1.32 × the floor, against 1.35–1.45 with
+1024-row tiles (more tiles, smaller products) and 1.53–1.60 with 2048 or 2896 (tiles out of cache)."""
+
+
+def tile_size(chunk: int | None, queries: Tensor, columns: int) -> int:
+    """Rows per tile: a square of the default budget's logits, or of ``chunk_size × columns`` (its promise).
+
+    Example:
+        >>> import torch
+        >>> tile_size(None, torch.zeros(0), 8192), tile_size(128, torch.zeros(0), 8192)
+        (1448, 1024)
+    """
+    budget = (BLOCK_LOGITS if queries.is_cuda else CPU_TILE_LOGITS) if chunk is None else chunk * columns
+    return max(1, math.isqrt(budget))
+
+
+def _targets(every: RowTargets, rows: tuple[int, int], columns: tuple[int, int]) -> Targets:
+    """Rows ``rows`` of the global matrix against its columns ``columns``, from every row's targets."""
+    (row_start, row_stop), (column_start, column_stop) = rows, columns
+    width = column_stop - column_start
+
+    def located(index: Tensor | None) -> Any:
+        return None if index is None else partly_located(index[row_start:row_stop] - column_start, width)
+
+    keys = every.keys
+    row_keys = None if keys is None else keys[row_start:row_stop]
+    column_keys = None if keys is None else keys[column_start:column_stop]
+    return Targets(located(every.positive), located(every.excluded), row_keys, column_keys, every.key_rule)
+
+
+def gram_pair_sum(
+    queries: Tensor, keys: Tensor, scale: Tensor, pairs: Pairs, weights: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """``Σ_i w_i ℓ_i`` over this rank's rows of a Gram loss (gather mode), gradients formed in forward.
+
+    ``queries`` are this rank's own block of ``keys`` (the same vectors); :attr:`Pairs.gram` holds the
+    targets of every row of the global matrix.
+
+    Returns:
+        The weighted sum and, per row, whether it has a loss.
+
+    Shape:
+        queries: ``(n, D)``; keys: ``(M, D)``; scale: ``()``; weights: ``(n,)``; outputs: ``()``, ``(n,)``.
+    """
+    wanted = gradients_wanted(queries, keys, scale)
+    return _Gram.apply(queries, keys, scale, pairs, weights, wanted)  # type: ignore[no-any-return]
+
+
+class _Gram(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, queries: Tensor, keys: Tensor, scale: Tensor, pairs: Pairs, weights: Tensor | None,
+        wanted: tuple[bool, bool, bool],
+    ) -> tuple[Tensor, Tensor]:
+        family, transport, every = pairs.family, pairs.transport, pairs.gram
+        assert every is not None and isinstance(transport, OneBlock)
+        counts, rank = pairs.key_rows, transport.rank
+        own = slice(transport.own_start, transport.own_start + queries.shape[0])
+        formed = tiles(counts, rank, tile_size(pairs.chunk, queries, keys.shape[0]))
+        kept: list[tuple[Tensor, Tensor, Tensor | None, Tensor | None]] = []
+        keep = 2 * sum((t.rows[1] - t.rows[0]) * (t.columns[1] - t.columns[0]) for t in formed) <= BLOCK_LOGITS
+        any_grad = any(wanted)
+
+        # The rows scaled once (as block_logits scales each block's rows), unless the products take half operands.
+        scaled = None if keys.dtype in (torch.float16, torch.bfloat16) else keys * scale
+
+        def formed_logits(tile: Tile) -> Tensor:
+            rows, columns = keys[slice(*tile.rows)], keys[slice(*tile.columns)]
+            return block_logits(rows, columns, scale, None) if scaled is None else scaled[slice(*tile.rows)] @ columns.T
+
+        def sides(tile: Tile, logits: Tensor) -> list[tuple[tuple[int, int], Tensor, Targets]]:
+            """The tile's rows against its columns and, off the diagonal, its columns' rows against its rows.
+
+            The columns' side is a copy seen transposed (:func:`._kernel.transposed_copy`): laid out like
+            the logits, so that its gradient adds onto theirs in one plain pass.
+            """
+            out = [(tile.rows, logits, _targets(every, tile.rows, tile.columns))]
+            if not tile.diagonal:
+                out.append((tile.columns, transposed_copy(logits), _targets(every, tile.columns, tile.rows)))
+            return out
+
+        # Pass 1: every row's partial state over the pairs this rank forms.
+        state = family.empty_state(keys.shape[0], scale)
+        for tile in formed:
+            logits = formed_logits(tile)
+            parts = []
+            for span, values, targets in sides(tile, logits):
+                mask = targets.positive_mask(values)
+                part = family.block_state_(values, targets, mask)
+                family.merge_(state[slice(*span)], part)
+                parts += [values, part]
+            if keep and any_grad:
+                kept.append((parts[0], parts[1], *(parts[2:] or (None, None))))  # type: ignore[arg-type]
+        state = transport.complete_columns(state, counts, family.merged)
+        own_state = state[own]
+        total = family.finish(own_state)
+        total = total.sum() if weights is None else total @ weights
+
+        # Pass 2: each pair's gradient, both halves, from the final states.
+        key_grad = scale_grad = None
+        if any_grad:
+            every_weight = 1.0 if weights is None else transport.block_columns(weights.to(state.dtype), counts)
+            key_grad = torch.zeros_like(keys, dtype=scale.dtype)  # Σ S Z, unscaled
+            grads = Grads(key_grad, None, True, True)  # the rows' products add into the keys' gradient too
+            for index, tile in enumerate(formed):
+                halves: list[tuple[tuple[int, int], Tensor, Tensor | None, Targets]]
+                if kept:
+                    row_values, row_partial, column_values, column_partial = kept[index]
+                    halves = [(tile.rows, row_values, row_partial, _targets(every, tile.rows, tile.columns))]
+                    if column_values is not None:
+                        halves.append((tile.columns, column_values, column_partial,
+                                       _targets(every, tile.columns, tile.rows)))  # fmt: skip
+                else:
+                    logits = formed_logits(tile)
+                    halves = [(span, values, None, targets) for span, values, targets in sides(tile, logits)]
+                grad = None
+                for span, values, partial, targets in halves:
+                    final = state[slice(*span)]
+                    mask = targets.positive_mask(values)
+                    if partial is None:
+                        family.numerators_(values, final, targets, mask)
+                    else:
+                        family.rebase_(values, partial, final)
+                    row_weights = every_weight if isinstance(every_weight, float) else every_weight[slice(*span)]
+                    half = family.gradient_(values, final, targets, mask, row_weights)
+                    grad = half if grad is None else grad.add_(half.T)  # S = G_AB + G_BAᵀ
+                assert grad is not None
+                rows, columns = keys[slice(*tile.rows)], keys[slice(*tile.columns)]
+                if tile.diagonal:  # S = G + Gᵀ is symmetric: one product gives the tile's rows both halves
+                    accumulate(grad.add_(grad.T.clone()), rows, rows, tile.rows[0], grads, None)
+                else:
+                    accumulate(grad, rows, columns, tile.rows[0], grads, key_grad[slice(*tile.columns)])
+            # The scale's: ⟨Z, Σ S Z⟩ over this rank's pairs holds each of their logits' ⟨G, P⟩ twice.
+            scale_grad = 0.5 * (upcast(keys) * key_grad).sum()
+            key_grad.mul_(scale)
+        ctx.save_for_backward(key_grad, scale_grad)
+        ctx.dtypes = (keys.dtype, scale.dtype)
+        has_positive = family.has_positive(own_state)
+        ctx.mark_non_differentiable(has_positive)
+        return total, has_positive
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx: Any, grad_total: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        key_grad, scale_grad = ctx.saved_tensors
+        keys_dtype, scale_dtype = ctx.dtypes
+        key_grad = None if key_grad is None else (key_grad * grad_total).to(keys_dtype)
+        scale_grad = None if scale_grad is None else (scale_grad * grad_total).to(scale_dtype)
+        return None, key_grad, scale_grad, None, None, None
