@@ -37,7 +37,7 @@ from contrastive_dist import (
     siglip,
     supcon,
 )
-from contrastive_dist.losses import _kernel, _same_key
+from contrastive_dist.losses import _kernel, _reduction, _same_key
 from contrastive_dist.losses._precision import PRODUCTS_VARIABLE, half_products
 from contrastive_dist.losses._unit import unit_rows
 
@@ -480,6 +480,32 @@ def test_keys_as_pairs_or_as_a_mask_match_the_loop_reference(
                 assert_close(loss, expected, torch.float64, what)
                 for name in grads:
                     assert_close(grads[name], expected_grads[name], torch.float64, f"{what} d/d{name}")
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_gram_losses_take_their_tiles_and_equal_the_rows_against_columns_kernel(
+    chunk_size: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NT-Xent, SupCon and DCL form each pair of tiles of their symmetric matrix once (losses/_gram.py):
+    # the same value and gradients as the rows-against-columns kernel, which it is tested against here.
+    calls: list[int] = []
+    tiled, takes_gram = _reduction.gram_pair_sum, _reduction.takes_gram
+    monkeypatch.setattr(_reduction, "gram_pair_sum", lambda *args: (calls.append(1), tiled(*args))[1])
+    cases = [(kind, "") for kind in KINDS if kind.startswith(("ntxent", "supcon", "dcl"))]
+    cases += [("ntxent", "mask"), ("ntxent", "positive")]
+    for kind, same_id in cases:
+        params, data = make_problem(seed=6, total=9, dtype=torch.float64)
+        results = []
+        for gram in (True, False):
+            monkeypatch.setattr(_reduction, "takes_gram", takes_gram if gram else lambda direction: False)
+            before = len(calls)
+            loss = package_value(kind, "weighted", params, data, chunk_size=chunk_size, same_id=same_id)
+            results.append(value_and_grads(loss, params))
+            assert (len(calls) > before) == gram, kind
+        (value, grads), (expected, expected_grads) = results
+        assert_close(value, expected, torch.float64, kind)
+        for name in grads:
+            assert_close(grads[name], expected_grads[name], torch.float64, f"{kind} {same_id} d/d{name}")
 
 
 def test_unit_rows_equal_f_normalize_in_value_and_gradient_zero_rows_included() -> None:

@@ -31,6 +31,7 @@ from torch import Tensor
 from contrastive_dist.losses._columns import OneBlock
 from contrastive_dist.losses._kernel import (
     BLOCK_LOGITS,
+    Family,
     Grads,
     Pairs,
     accumulate,
@@ -117,6 +118,35 @@ def _targets(every: RowTargets, rows: tuple[int, int], columns: tuple[int, int])
     return Targets(located(every.positive), located(every.excluded), row_keys, column_keys, every.key_rule)
 
 
+class _Side(NamedTuple):
+    """One side of a pair of tiles: rows ``span`` against the other tile's columns.
+
+    Attributes:
+        span: the rows, ``[start, stop)`` of the global matrix.
+        values: their logits, then numerators; a copy seen transposed for the columns' side.
+        targets: their targets in this block.
+        partial: their state over this block alone, when ``values`` were kept from pass 1 (numerators
+            against it); ``None``: ``values`` are logits.
+    """
+
+    span: tuple[int, int]
+    values: Tensor
+    targets: Targets
+    partial: Tensor | None = None
+
+
+def _sides(every: RowTargets, tile: Tile, logits: Tensor) -> list[_Side]:
+    """The tile's rows against its columns and, off the diagonal, its columns' rows against its rows.
+
+    The columns' side is a copy seen transposed (:func:`._kernel.transposed_copy`): laid out like the
+    logits, so that its gradient adds onto theirs in one plain pass.
+    """
+    sides = [_Side(tile.rows, logits, _targets(every, tile.rows, tile.columns))]
+    if not tile.diagonal:
+        sides.append(_Side(tile.columns, transposed_copy(logits), _targets(every, tile.columns, tile.rows)))
+    return sides
+
+
 def gram_pair_sum(
     queries: Tensor, keys: Tensor, scale: Tensor, pairs: Pairs, weights: Tensor | None
 ) -> tuple[Tensor, Tensor]:
@@ -143,82 +173,48 @@ class _Gram(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         family, transport, every = pairs.family, pairs.transport, pairs.gram
         assert every is not None and isinstance(transport, OneBlock)
-        counts, rank = pairs.key_rows, transport.rank
-        own = slice(transport.own_start, transport.own_start + queries.shape[0])
-        formed = tiles(counts, rank, tile_size(pairs.chunk, queries, keys.shape[0]))
-        kept: list[tuple[Tensor, Tensor, Tensor | None, Tensor | None]] = []
-        keep = 2 * sum((t.rows[1] - t.rows[0]) * (t.columns[1] - t.columns[0]) for t in formed) <= BLOCK_LOGITS
-        any_grad = any(wanted)
-
-        # The rows scaled once (as block_logits scales each block's rows), unless the products take half operands.
+        counts = pairs.key_rows
+        formed = tiles(counts, transport.rank, tile_size(pairs.chunk, queries, keys.shape[0]))
+        # Keeping every pair's numerators for pass 2 spares forming them again, when they fit.
+        area = sum((tile.rows[1] - tile.rows[0]) * (tile.columns[1] - tile.columns[0]) for tile in formed)
+        keep = any(wanted) and 2 * area <= BLOCK_LOGITS
+        # The rows scaled once (as block_logits scales each block's), unless the products take half operands.
         scaled = None if keys.dtype in (torch.float16, torch.bfloat16) else keys * scale
 
-        def formed_logits(tile: Tile) -> Tensor:
+        def logits_of(tile: Tile) -> Tensor:
             rows, columns = keys[slice(*tile.rows)], keys[slice(*tile.columns)]
             return block_logits(rows, columns, scale, None) if scaled is None else scaled[slice(*tile.rows)] @ columns.T
 
-        def sides(tile: Tile, logits: Tensor) -> list[tuple[tuple[int, int], Tensor, Targets]]:
-            """The tile's rows against its columns and, off the diagonal, its columns' rows against its rows.
-
-            The columns' side is a copy seen transposed (:func:`._kernel.transposed_copy`): laid out like
-            the logits, so that its gradient adds onto theirs in one plain pass.
-            """
-            out = [(tile.rows, logits, _targets(every, tile.rows, tile.columns))]
-            if not tile.diagonal:
-                out.append((tile.columns, transposed_copy(logits), _targets(every, tile.columns, tile.rows)))
-            return out
-
-        # Pass 1: every row's partial state over the pairs this rank forms.
+        # Pass 1: every row's partial state over the pairs this rank forms, merged over the ranks.
         state = family.empty_state(keys.shape[0], scale)
+        kept: list[list[_Side]] = []
         for tile in formed:
-            logits = formed_logits(tile)
-            parts = []
-            for span, values, targets in sides(tile, logits):
-                mask = targets.positive_mask(values)
-                part = family.block_state_(values, targets, mask)
-                family.merge_(state[slice(*span)], part)
-                parts += [values, part]
-            if keep and any_grad:
-                kept.append((parts[0], parts[1], *(parts[2:] or (None, None))))  # type: ignore[arg-type]
+            sides = []
+            for side in _sides(every, tile, logits_of(tile)):
+                partial = family.block_state_(side.values, side.targets, side.targets.positive_mask(side.values))
+                family.merge_(state[slice(*side.span)], partial)
+                sides.append(side._replace(partial=partial))
+            if keep:
+                kept.append(sides)
         state = transport.complete_columns(state, counts, family.merged)
-        own_state = state[own]
+        own_state = state[transport.own_start : transport.own_start + queries.shape[0]]
         total = family.finish(own_state)
         total = total.sum() if weights is None else total @ weights
 
-        # Pass 2: each pair's gradient, both halves, from the final states.
         key_grad = scale_grad = None
-        if any_grad:
+        if any(wanted):
             every_weight = 1.0 if weights is None else transport.block_columns(weights.to(state.dtype), counts)
+            # Pass 2: each pair's S from the final states, and its products.
             key_grad = torch.zeros_like(keys, dtype=scale.dtype)  # Σ S Z, unscaled
             grads = Grads(key_grad, None, True, True)  # the rows' products add into the keys' gradient too
             for index, tile in enumerate(formed):
-                halves: list[tuple[tuple[int, int], Tensor, Tensor | None, Targets]]
-                if kept:
-                    row_values, row_partial, column_values, column_partial = kept[index]
-                    halves = [(tile.rows, row_values, row_partial, _targets(every, tile.rows, tile.columns))]
-                    if column_values is not None:
-                        halves.append((tile.columns, column_values, column_partial,
-                                       _targets(every, tile.columns, tile.rows)))  # fmt: skip
-                else:
-                    logits = formed_logits(tile)
-                    halves = [(span, values, None, targets) for span, values, targets in sides(tile, logits)]
-                grad = None
-                for span, values, partial, targets in halves:
-                    final = state[slice(*span)]
-                    mask = targets.positive_mask(values)
-                    if partial is None:
-                        family.numerators_(values, final, targets, mask)
-                    else:
-                        family.rebase_(values, partial, final)
-                    row_weights = every_weight if isinstance(every_weight, float) else every_weight[slice(*span)]
-                    half = family.gradient_(values, final, targets, mask, row_weights)
-                    grad = half if grad is None else grad.add_(half.T)  # S = G_AB + G_BAᵀ
-                assert grad is not None
+                sides = kept[index] if keep else _sides(every, tile, logits_of(tile))
+                pair_grad = _pair_gradient(family, sides, state, every_weight)
                 rows, columns = keys[slice(*tile.rows)], keys[slice(*tile.columns)]
                 if tile.diagonal:  # S = G + Gᵀ is symmetric: one product gives the tile's rows both halves
-                    accumulate(grad.add_(grad.T.clone()), rows, rows, tile.rows[0], grads, None)
+                    accumulate(pair_grad, rows, rows, tile.rows[0], grads, None)
                 else:
-                    accumulate(grad, rows, columns, tile.rows[0], grads, key_grad[slice(*tile.columns)])
+                    accumulate(pair_grad, rows, columns, tile.rows[0], grads, key_grad[slice(*tile.columns)])
             # The scale's: ⟨Z, Σ S Z⟩ over this rank's pairs holds each of their logits' ⟨G, P⟩ twice.
             scale_grad = 0.5 * (upcast(keys) * key_grad).sum()
             key_grad.mul_(scale)
@@ -236,3 +232,23 @@ class _Gram(torch.autograd.Function):
         key_grad = None if key_grad is None else (key_grad * grad_total).to(keys_dtype)
         scale_grad = None if scale_grad is None else (scale_grad * grad_total).to(scale_dtype)
         return None, key_grad, scale_grad, None, None, None
+
+
+def _pair_gradient(family: Family, sides: list[_Side], state: Tensor, weights: Tensor | float) -> Tensor:
+    """``S`` of a pair of tiles from every row's final ``state``: ``G_AB + G_BAᵀ``, or ``G + Gᵀ`` on the diagonal.
+
+    ``weights``: every row's (a number: the same for all).
+    """
+    pair_grad = None
+    for side in sides:
+        final = state[slice(*side.span)]
+        mask = side.targets.positive_mask(side.values)
+        if side.partial is None:
+            family.numerators_(side.values, final, side.targets, mask)
+        else:
+            family.rebase_(side.values, side.partial, final)
+        row_weights = weights if isinstance(weights, float) else weights[slice(*side.span)]
+        half = family.gradient_(side.values, final, side.targets, mask, row_weights)
+        pair_grad = half if pair_grad is None else pair_grad.add_(half.T)
+    assert pair_grad is not None
+    return pair_grad.add_(pair_grad.T.clone()) if len(sides) == 1 else pair_grad
