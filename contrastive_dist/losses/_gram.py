@@ -176,9 +176,10 @@ class _Gram(torch.autograd.Function):
         assert every is not None and isinstance(transport, OneBlock)
         counts = pairs.key_rows
         formed = tiles(counts, transport.rank, tile_size(pairs.chunk, queries, keys.shape[0]))
-        # Keeping every pair's numerators for pass 2 spares forming them again, when they fit.
+        # Keeping every pair's numerators for pass 2 spares forming them again, when they fit the default
+        # budget (an explicit chunk_size promises at most chunk_size × N logits at once).
         area = sum((tile.rows[1] - tile.rows[0]) * (tile.columns[1] - tile.columns[0]) for tile in formed)
-        keep = any(wanted) and 2 * area <= BLOCK_LOGITS
+        keep = any(wanted) and pairs.chunk is None and 2 * area <= BLOCK_LOGITS
         # The rows scaled once (as block_logits scales each block's), unless the products take half operands.
         scaled = None if keys.dtype in (torch.float16, torch.bfloat16) else keys * scale
 

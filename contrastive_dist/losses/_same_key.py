@@ -98,6 +98,7 @@ def same_key(row_keys: Tensor, column_keys: Tensor, like: Tensor) -> SameKey:
     rows, columns = like.shape
     if like.device.type == "cpu" and not torch.compiler.is_compiling() and rows and column_keys.numel():
         ordered, order = column_keys.sort()
+        row_keys = row_keys.contiguous()  # (a column of the block that travelled with the features)
         first = torch.searchsorted(ordered, row_keys, side="left")
         counts = torch.searchsorted(ordered, row_keys, side="right") - first
         total = int(counts.sum())
