@@ -37,7 +37,7 @@ from routes import ROUTES, on_route
 from torch import Tensor, nn
 
 from contrastive_dist import DistributedInfoNCE, SharedNegatives, info_nce, nt_xent, retrieval_accuracy, siglip, supcon
-from contrastive_dist.losses import _same_key
+from contrastive_dist.losses import _gram, _same_key
 from contrastive_dist.losses._precision import PRODUCTS_VARIABLE
 from contrastive_dist.testing import WorkerPool
 
@@ -96,14 +96,16 @@ def _local(data: dict[str, Tensor], shards: tuple[int, ...], negative_shards: tu
 
 def run_cases(rank: int, world_size: int, communication: str, all_cases: list[Case]) -> list[tuple[Tensor, dict]]:
     results = []
-    sparse_at_most = _same_key.SPARSE_AT_MOST
+    kept = _same_key.SPARSE_AT_MOST, _gram.MIN_DIM, _gram.ONE_PROCESS
     try:
         for seed, case in enumerate(all_cases):
-            # Pairs that share a key (ids, labels): as indices in one case, as a mask in the next (_same_key).
+            # Pairs that share a key (ids, labels): as indices in one case, as a mask in the next (_same_key);
+            # Gram losses in gather mode: by tiles in two cases of four, whatever their width and world size.
             _same_key.SPARSE_AT_MOST = 1.0 if seed % 2 == 0 else -1.0
+            _gram.MIN_DIM, _gram.ONE_PROCESS = (0, False) if seed % 4 < 2 else kept[1:]
             results.append(_run_case(seed, case, rank, communication))
     finally:
-        _same_key.SPARSE_AT_MOST = sparse_at_most
+        _same_key.SPARSE_AT_MOST, _gram.MIN_DIM, _gram.ONE_PROCESS = kept
     return results
 
 

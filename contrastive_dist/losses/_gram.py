@@ -16,9 +16,9 @@ Which rank forms a pair: a rank's own pairs (``A ≤ B``) are its own; a pair ac
 each other split their pairs by the tiles' parity), so that every rank forms about the same number.
 The gradients of other ranks' rows go home through the gather's reduce-scatter, like every column's.
 
-Used for the weighted sum (:func:`._reduction.mean_over_directions`, gather mode) when the fused
-Triton epilogue does not apply and not under ``torch.compile``; the rows-against-columns kernel
-(:mod:`._fused`) stays the reference.
+Used for the weighted sum (:func:`._reduction.mean_over_directions`, gather mode) where it measured
+faster than the rows-against-columns kernel (:mod:`._fused`, which stays the reference), see
+:func:`worth_it`; not under ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,31 @@ from contrastive_dist.losses._kernel import (
 from contrastive_dist.losses._precision import upcast
 from contrastive_dist.losses._targets import RowTargets, Targets, partly_located
 
-__all__ = ["Tile", "gram_pair_sum", "tiles"]
+__all__ = ["MIN_DIM", "ONE_PROCESS", "Tile", "gram_pair_sum", "tiles", "worth_it"]
+
+
+MIN_DIM = 512
+"""The smallest feature width that takes the tiles: the products they save grow with it, their extra
+passes (each pair's copy seen transposed) do not. Measured (one process, CPU, ``benchmarks/floor.py``
+and ``nt_xent`` / ``supcon`` at n = 2048–4096): 0.82–0.87× the rows-against-columns kernel's time at
+D = 512, 0.87–1.14× at D = 128 and 256."""
+ONE_PROCESS = True
+"""Only without other ranks: across ranks the tiles' exchange of states is one more collective in the
+middle of the forward, which measured 0.93–1.04× at best and up to 1.6× with more threads than cores
+(four ranks of two threads on two cores), a common CPU setup."""
+
+
+def worth_it(queries: Tensor, keys: Tensor, ranks: int) -> bool:
+    """Whether a Gram loss's blocks of ``keys`` take the tiles (on the CPU: see :data:`MIN_DIM`, :data:`ONE_PROCESS`).
+
+    Example:
+        >>> import torch
+        >>> worth_it(torch.zeros(8, 512), torch.zeros(8, 512), 1), worth_it(torch.zeros(8, 128), torch.zeros(8, 128), 1)
+        (True, False)
+    """
+    if queries.is_cuda or (ONE_PROCESS and ranks > 1):
+        return False  # (measured on the CPU only)
+    return keys.shape[1] >= MIN_DIM
 
 
 class Tile(NamedTuple):
@@ -94,14 +118,16 @@ CPU_TILE_LOGITS = 2**21
 
 
 def tile_size(chunk: int | None, queries: Tensor, columns: int) -> int:
-    """Rows per tile: a square of the default budget's logits, or of ``chunk_size × columns`` (its promise).
+    """Rows per tile: a square of the default budget's logits, or the side that keeps its promise with ``chunk_size``.
+
+    A pair's block and its copy seen transposed then hold at most ``chunk_size × columns`` logits together.
 
     Example:
         >>> import torch
-        >>> tile_size(None, torch.zeros(0), 8192), tile_size(128, torch.zeros(0), 8192)
+        >>> tile_size(None, torch.zeros(0), 8192), tile_size(256, torch.zeros(0), 8192)
         (1448, 1024)
     """
-    budget = (BLOCK_LOGITS if queries.is_cuda else CPU_TILE_LOGITS) if chunk is None else chunk * columns
+    budget = (BLOCK_LOGITS if queries.is_cuda else CPU_TILE_LOGITS) if chunk is None else chunk * columns // 2
     return max(1, math.isqrt(budget))
 
 
@@ -180,12 +206,8 @@ class _Gram(torch.autograd.Function):
         # budget (an explicit chunk_size promises at most chunk_size × N logits at once).
         area = sum((tile.rows[1] - tile.rows[0]) * (tile.columns[1] - tile.columns[0]) for tile in formed)
         keep = any(wanted) and pairs.chunk is None and 2 * area <= BLOCK_LOGITS
-        # The rows scaled once (as block_logits scales each block's), unless the products take half operands.
-        scaled = None if keys.dtype in (torch.float16, torch.bfloat16) else keys * scale
-
         def logits_of(tile: Tile) -> Tensor:
-            rows, columns = keys[slice(*tile.rows)], keys[slice(*tile.columns)]
-            return block_logits(rows, columns, scale, None) if scaled is None else scaled[slice(*tile.rows)] @ columns.T
+            return block_logits(keys[slice(*tile.rows)], keys[slice(*tile.columns)], scale, None)
 
         # Pass 1: every row's partial state over the pairs this rank forms, merged over the ranks.
         state = family.empty_state(keys.shape[0], scale)

@@ -16,6 +16,7 @@ meets every block again and recomputes its logits: four.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -173,11 +174,10 @@ class _Recomputed(torch.autograd.Function):
         grads = grads_for(queries, scale, want_query, want_scale, want_bias)
         symmetric = pairs.columns is not None
 
-        def recomputed(owner: int, block: Block, columns_here: Tensor | None) -> tuple[Block, list[_Kept]]:
-            """The block's chunks as forward formed them: its logits again, turned into numerators."""
+        def recomputed(owner: int, block: Block, columns_here: Tensor | None) -> Iterator[_Kept]:
+            """The block's chunks as forward formed them, one at a time: their logits again, as numerators."""
             block_keys, column_keys = block[0], block[1] if len(block) > 1 else None
             own_start = transport.own_start_of(owner) if owner != LOCAL else None
-            parts = []
             budget = chunk_budget(queries)
             for start, stop in chunks(queries.shape[0], pairs.chunk, block_keys.shape[0], budget=budget):
                 logits = block_logits(queries[start:stop], block_keys, scale, bias)
@@ -187,11 +187,11 @@ class _Recomputed(torch.autograd.Function):
                     columns = column_block(pairs, logits, own_start, start, stop, targets, columns_here.shape[0])
                 mask = targets.positive_mask(logits)
                 family.numerators_(logits, row_state[start:stop], targets, mask)
-                parts.append(_Kept(logits, None, targets, mask, columns))
-            return block, parts
+                yield _Kept(logits, None, targets, mask, columns)
 
         def visit(owner: int, block: Block, key_grad: Tensor | None) -> None:
             columns_here = block[-1] if symmetric and owner != LOCAL else None
+            parts: Iterable[_Kept]
             if kept is not None:
                 if owner not in kept:
                     return  # an empty block
@@ -200,7 +200,7 @@ class _Recomputed(torch.autograd.Function):
                 block = block[:-1] if columns_here is not None else block
                 if block[0].shape[0] == 0:
                     return
-                block, parts = recomputed(owner, block, columns_here)
+                parts = recomputed(owner, block, columns_here)
             block_keys = block[0]
             budget = chunk_budget(queries)
             spans = chunks(queries.shape[0], pairs.chunk, block_keys.shape[0], budget=budget)

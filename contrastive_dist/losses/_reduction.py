@@ -20,12 +20,13 @@ from torch.distributed import ProcessGroup
 
 from contrastive_dist.engine._agreement import Layout
 from contrastive_dist.engine._wire import all_reduce
-from contrastive_dist.losses import _epilogue
+from contrastive_dist.losses import _epilogue, _gram
 from contrastive_dist.losses._columns import OneBlock
 from contrastive_dist.losses._fused import weighted_pair_sum
 from contrastive_dist.losses._gram import gram_pair_sum
-from contrastive_dist.losses._kernel import Pairs
+from contrastive_dist.losses._kernel import SIGMOID, Pairs
 from contrastive_dist.losses._recomputed import pair_losses
+from contrastive_dist.losses._sigmoid_ring import sigmoid_ring_pair_sum
 
 __all__ = ["Direction", "all_reduced", "mean_over_directions", "mean_share", "weight_total"]
 
@@ -85,13 +86,13 @@ class Direction(NamedTuple):
 def takes_gram(direction: Direction) -> bool:
     """Whether a Gram loss's weighted sum takes :mod:`._gram` (half the logits, two products).
 
-    Not where the fused Triton epilogue serves (its rows-against-columns kernel), not under
-    ``torch.compile`` (the exchange of its pass is eager), not with columns held here.
+    Where it measured faster (:func:`._gram.worth_it`); not where the fused Triton epilogue serves (its
+    rows-against-columns kernel), not under ``torch.compile``, not with columns held here.
     """
     pairs = direction.pairs
     if pairs.gram is None or pairs.local_keys is not None or direction.bias is not None:
         return False
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not _gram.worth_it(direction.queries, direction.keys, len(pairs.key_rows)):
         return False
     return not _epilogue.fused(pairs, direction.queries, direction.keys)
 
@@ -103,8 +104,9 @@ def mean_over_directions(
 
     The two directions of a symmetric loss (image→text, text→image) are one kernel call whose
     columns have losses of their own (:attr:`Pairs.columns`), in either mode. Gather mode's weighted
-    sum forms its gradients in forward (:func:`weighted_pair_sum`); every other case recomputes in
-    backward (:func:`pair_losses`).
+    sum forms its gradients in forward (:func:`weighted_pair_sum`, or :func:`gram_pair_sum` for a
+    Gram loss), and so does ring mode's for a sigmoid loss (:func:`sigmoid_ring_pair_sum`); every
+    other case forms them in backward (:func:`pair_losses`).
 
     Returns:
         The weighted sum ``()`` or the rows ``(n,)``, and whether each row has a loss ``(n,)`` (first direction).
@@ -119,6 +121,9 @@ def mean_over_directions(
                 total, has = gram_pair_sum(direction.queries, direction.keys, direction.scale, direction.pairs, weights)
             else:
                 total, has = weighted_pair_sum(*direction, weights)  # both directions' sum, when symmetric
+            parts.append(total)
+        elif not per_row and direction.pairs.family is SIGMOID and not torch.compiler.is_compiling():
+            total, has = sigmoid_ring_pair_sum(*direction, weights)  # its gradient needs no row state
             parts.append(total)
         else:
             rows, columns, has = pair_losses(*direction)
