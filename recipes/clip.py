@@ -200,7 +200,6 @@ class CLIP(L.LightningModule):
         self.collate = CaptionCollate(args.context_length, id_field=2 if getattr(args, "csv_ids", False) else None)
         self.top_k = (1, 5) if len(val_set) >= 5 else (1,)
         self.val_features: list[tuple[Tensor, Tensor, Tensor]] = []
-        self.chance = recall_by_chance(torch.arange(len(val_set)), self.top_k)
 
     def train_dataloader(self) -> Any:
         args = self.args
@@ -251,7 +250,6 @@ class CLIP(L.LightningModule):
         image, text, ids = all_gather_many(local).tensors
         for key, value in recall_by_id(image, text, ids, top_k=self.top_k).items():
             self.log(f"val/{key}", value, prog_bar=key.endswith("r1"), sync_dist=True)
-        self.chance = {f"val/{key}": value for key, value in recall_by_chance(ids, self.top_k).items()}
 
     def configure_optimizers(self) -> Any:
         return optimizer_and_schedule(self, self.args)
@@ -280,18 +278,19 @@ def main(argv: Sequence[str] | None = None, callbacks: Sequence[L.Callback] = ()
                            advice="raise --batch-size or --devices (the global batch is --batch-size × processes)")
     if not fit(trainer, model, checkpoint):
         return
+    items = [val_set[i] for i in range(len(val_set))]
+    images, tokens, ids, _ = model.collate(items)
+    chance = {f"val/{key}": value for key, value in recall_by_chance(ids, model.top_k).items()}
     files: dict[str, Path] = {}
     if not args.no_plots:
         files["retrievals"] = args.output_dir / "retrievals.png"
-        items = [val_set[i] for i in range(len(val_set))]
-        images, tokens, ids, _ = model.collate(items)
         model.cpu().eval()
         with torch.no_grad():
             image, text = model.encode(images, tokens)
         retrieval_grid(torch.stack([item[0] for item in items]), [item[1] for item in items], image @ text.T, ids,
                        files["retrievals"])
     counted = "the CSV's id column" if args.csv_ids else "caption"
-    report_run(args.output_dir, trainer, model.chance, title=f"CLIP, held-out split of {len(val_set)}, recall by "
+    report_run(args.output_dir, trainer, chance, title=f"CLIP, held-out split of {len(val_set)}, recall by "
                f"{counted}", plot_title=None if args.no_plots else f"CLIP on {args.data}",
                seconds=time.perf_counter() - start, files=files)
 

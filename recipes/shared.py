@@ -51,7 +51,8 @@ def training_flags(parser: argparse.ArgumentParser, *, batch_size: int, lr: floa
                         "CPU, all visible GPUs, or LOCAL_WORLD_SIZE under torchrun")
     launch.add_argument("--num-nodes", type=int, default=None, help="machines; set MASTER_ADDR, MASTER_PORT, "
                         "NODE_RANK on each; default: 1, or what torchrun says")
-    launch.add_argument("--strategy", default="ddp", help="Lightning strategy (ddp: gloo on CPU, nccl on GPUs)")
+    launch.add_argument("--strategy", default="ddp", help="Lightning strategy (ddp: gloo on CPU, nccl on "
+                        "GPUs, each rank a new process; ddp_fork: ranks forked from this one, quicker to start, CPU)")
     launch.add_argument("--timeout", type=float, default=600, help="seconds a rank waits in a collective for a "
                         "peer that hangs without exiting, then fails (one that exits is reported at once)")
     launch.add_argument("--precision", default="32-true", help="e.g. 32-true, bf16-mixed, 16-mixed, 64-true")
@@ -109,9 +110,9 @@ def make_trainer(args: argparse.Namespace, *, monitor: str, callbacks: Any = ())
         devices = int(devices) if isinstance(devices, str) and devices.lstrip("-").isdigit() else devices
         nodes = args.num_nodes or 1
     strategy = args.strategy
-    if strategy in ("ddp", "ddp_spawn"):  # --timeout bounds the wait for a peer that hangs
+    if strategy in ("ddp", "ddp_spawn", "ddp_fork"):  # --timeout bounds the wait for a peer that hangs
         strategy = DDPStrategy(timeout=timedelta(seconds=args.timeout),
-                               start_method="spawn" if strategy == "ddp_spawn" else "popen")
+                               start_method={"ddp": "popen"}.get(strategy, strategy[4:]))
     checkpoints = args.output_dir / "checkpoints"
     best = ModelCheckpoint(dirpath=checkpoints, filename="best", monitor=monitor, mode="max", save_top_k=1,
                            auto_insert_metric_name=False, enable_version_counter=False, save_on_train_epoch_end=False)

@@ -12,12 +12,15 @@ A block runs in one of two ways:
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from forked_runs import forked_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -65,8 +68,11 @@ def run_script(block: Block, directory: Path, timeout: float) -> str:
     (directory / script["name"]).write_text(block.code, encoding="utf-8")
     command = shlex.split(script["command"])
     launcher = {"python": [sys.executable], "torchrun": [sys.executable, "-m", "torch.distributed.run"]}
-    argv = [*launcher[command[0]], *command[1:]]
-    result = subprocess.run(argv, cwd=directory, capture_output=True, text=True, timeout=timeout)
+    if command[0] == "python" and not command[1].startswith("-"):  # `python FILE.py`: a fork, imports done
+        result = forked_runs().script(command[1:], cwd=directory, env=dict(os.environ), timeout=timeout)
+    else:
+        argv = [*launcher[command[0]], *command[1:]]
+        result = subprocess.run(argv, cwd=directory, capture_output=True, text=True, timeout=timeout)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{block.where}: {' '.join(command)} exited {result.returncode}\n{output[-6000:]}"
     for expected in PRINTS.findall(block.code):

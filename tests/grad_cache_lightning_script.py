@@ -1,11 +1,11 @@
-"""Lightning ``strategy="ddp"`` on 2 CPU processes, automatic optimization, with or without grad_cache.
+"""Lightning DDP on 2 CPU processes, automatic optimization, with or without grad_cache.
 
-    python tests/grad_cache_lightning_script.py cached|reference OUTPUT_DIR
+    python tests/grad_cache_lightning_script.py cached|reference OUTPUT_DIR [STRATEGY]
 
 Float64, dropout 0.1, CLIP loss with a learnable ``logit_scale``, 17 samples in global batches of
 8, 8, 1 (the last split [1, 0]: an empty rank) for 2 epochs, gradients accumulated over 2 steps.
-Each rank saves its final ``state_dict`` to ``OUTPUT_DIR/<mode>-rank<r>.pt``. Lightning's ddp
-launcher starts rank 1 by running this same command.
+Each rank saves its final ``state_dict`` to ``OUTPUT_DIR/<mode>-rank<r>.pt``. With ``STRATEGY``
+``ddp`` (the default) Lightning starts rank 1 by running this same command; ``ddp_fork`` forks both.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ class Module(L.LightningModule):
 
 
 if __name__ == "__main__":
-    mode, output = sys.argv[1], Path(sys.argv[2])
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", precision="64-true", max_epochs=2,
+    mode, output, strategy = sys.argv[1], Path(sys.argv[2]), (sys.argv[3:] or ["ddp"])[0]
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="64-true", max_epochs=2,
                         accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
     trainer.fit(Module(mode, output))

@@ -1,14 +1,13 @@
-"""grad_cache in a LightningModule's training_step: Lightning DDP (``strategy="ddp"``), 2 CPU processes."""
+"""grad_cache in a LightningModule's training_step: Lightning DDP, 2 CPU processes."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from forked_runs import forked_runs
 
 pytest.importorskip("lightning")
 SCRIPT = Path(__file__).resolve().parent / "grad_cache_lightning_script.py"
@@ -16,9 +15,9 @@ SCRIPT = Path(__file__).resolve().parent / "grad_cache_lightning_script.py"
 
 @pytest.mark.timeout(300)
 def test_lightning_ddp_with_accumulation_trains_to_the_weights_of_the_memory_hungry_reference(tmp_path: Path) -> None:
-    for mode in ("cached", "reference"):
-        result = subprocess.run([sys.executable, str(SCRIPT), mode, str(tmp_path)], cwd=tmp_path, capture_output=True,
-                                text=True, timeout=140, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for mode in ("cached", "reference"):  # ranks forked from a fork of tests/forked_runs.py's server
+        result = forked_runs().script([str(SCRIPT), mode, str(tmp_path), "ddp_fork"], cwd=tmp_path, timeout=140,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     weights = {(mode, rank): torch.load(tmp_path / f"{mode}-rank{rank}.pt", weights_only=True)
                for mode in ("cached", "reference") for rank in (0, 1)}

@@ -1,4 +1,4 @@
-"""``contrastive_dist.lightning.streaming_loader`` and ``step_sizes`` under real Lightning DDP (ddp_spawn, CPU).
+"""``contrastive_dist.lightning.streaming_loader`` and ``step_sizes`` under real Lightning DDP (CPU processes, gloo).
 
 The module's code is what a user writes: ``streaming_loader(...)`` in ``train_dataloader`` and
 ``step_sizes(self.trainer, batch_idx)`` in ``training_step``, the same step as for map-style data.
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from forked_runs import forked_runs
 from test_streaming_lightning import BATCH_SIZE, COUNTS, LR, StreamingModule, point, to_pair
 from torch import nn
 
@@ -61,9 +62,16 @@ def trainer(**options):
     return L.Trainer(**{**defaults, **options})
 
 
+def fit_on_two_ranks(shards: list[str], out_dir: str) -> None:
+    """Fit a :class:`LoaderModule` with 2 workers on 2 ranks forked from this process (tests/forked_runs.py)."""
+    trainer(strategy="ddp_fork").fit(LoaderModule(shards, out_dir, num_workers=2))
+
+
 @pytest.mark.timeout(300)
 def test_streaming_loader_under_ddp_equal_steps_every_sample_once_and_exact_weights(tmp_path: Path) -> None:
-    trainer().fit(LoaderModule(write_shards(tmp_path), str(tmp_path), num_workers=2))
+    fitted = forked_runs().call("test_lightning_streaming_loader.fit_on_two_ranks", write_shards(tmp_path),
+                                str(tmp_path), cwd=tmp_path, timeout=240)
+    assert fitted.returncode == 0, fitted.stderr[-4000:]
     # The launcher may return although a child failed: trust only what each rank wrote.
     records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
 

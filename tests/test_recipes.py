@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from forked_runs import forked_runs
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 HOOKS = Path(__file__).resolve().parent / "recipe_hooks.py"
@@ -20,12 +21,22 @@ TINY_SIMCLR = ["--image-size", "16", "--width", "4", "--hidden", "16", "--out", 
 
 
 def run(recipe: str, *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: int = 150,
-        check: bool = True, hooks: bool = False) -> subprocess.CompletedProcess[str]:
-    """``python recipes/<recipe> args``, output redirected as to a log file; ``hooks``: via tests/recipe_hooks.py."""
+        check: bool = True, hooks: bool = False, strategy: str = "ddp_fork") -> subprocess.CompletedProcess[str]:
+    """``python recipes/<recipe> args``, output redirected as to a log file; ``hooks``: via tests/recipe_hooks.py.
+
+    ``strategy``: the ranks forked from the command's process (``ddp_fork``), itself a fork of a process
+    that imported torch and Lightning once (tests/forked_runs.py), unless a test asks for the users'
+    default, ``ddp``: then the command and each rank start as commands of their own, each importing
+    torch and Lightning (~5 s here).
+    """
     environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     command = [str(HOOKS), recipe.removesuffix(".py")] if hooks else [str(RECIPES / recipe)]
-    result = subprocess.run([sys.executable, *command, *args], cwd=cwd, env=environment,
-                            capture_output=True, text=True, timeout=timeout)
+    if strategy == "ddp" or "--help" in args:
+        result = subprocess.run([sys.executable, *command, *args], cwd=cwd, env=environment, capture_output=True,
+                                text=True, timeout=timeout)
+    else:
+        result = forked_runs().script([*command, *args, "--strategy", strategy], cwd=cwd, env=environment,
+                                      timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"exit code {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
@@ -54,7 +65,7 @@ def test_clip_end_to_end_resumed_by_folder_and_a_new_run_keeps_the_old_one(tmp_p
     assert "--num-nodes" in usage and "(default: filepath)" in usage and "(default: title)" in usage
     out = tmp_path / "runs/clip/version_0"  # the default folder of a first run
     common = [*TINY_CLIP, "--train-size", "60", "--val-size", "24", "--batch-size", "8", "--val-every", "3"]
-    result = run("clip.py", *common, "--max-steps", "4", cwd=tmp_path)
+    result = run("clip.py", *common, "--max-steps", "4", cwd=tmp_path, strategy="ddp")  # the users' default
     recalls = [float(row["val/image_to_text_r5"]) for row in metrics(out) if row.get("val/image_to_text_r5")]
     assert len(recalls) == 2 and all(0 <= value <= 1 for value in recalls)  # at step 3 and after the last, 4
     for name in ("curves.png", "retrievals.png", "checkpoints/last.ckpt", "checkpoints/best.ckpt"):
@@ -162,10 +173,11 @@ def test_two_processes_and_a_resume_on_three_train_to_the_weights_of_one(tmp_pat
     assert float(one["logit_scale"]) != pytest.approx(float(torch.tensor(1 / 0.07).log()), abs=1e-6)  # it trained
 
 
-def test_a_failing_rank_makes_the_command_fail(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_fork"])
+def test_a_failing_rank_makes_the_command_fail(tmp_path: Path, strategy: str) -> None:
     result = run("clip.py", *TINY_CLIP, "--train-size", "64", "--val-size", "8", "--batch-size", "4",
                  "--max-steps", "8", "--val-every", "100", "--no-plots", "--output-dir", "out", cwd=tmp_path,
-                 env={"RECIPE_FAIL_AT_STEP": "3"}, check=False, timeout=120, hooks=True)
+                 env={"RECIPE_FAIL_AT_STEP": "3"}, check=False, timeout=120, hooks=True, strategy=strategy)
     assert result.returncode != 0
     assert "fails on purpose" in result.stdout + result.stderr
 

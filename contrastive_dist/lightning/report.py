@@ -19,14 +19,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["loss_curve", "plot_curves", "print_summary", "read_metrics", "report_run"]
+__all__ = ["loss_curve", "metrics_files", "plot_curves", "print_summary", "read_metrics", "report_run"]
+
+
+def metrics_files(run: Path) -> list[Path]:
+    """A run's ``logs/version_*/metrics.csv``, one per invocation, oldest first."""
+    return sorted(Path(run).glob("logs/version_*/metrics.csv"), key=lambda path: int(path.parent.name[8:]))
 
 
 def read_metrics(run: Path) -> list[dict[str, float]]:
     """Every logged row of a run: all ``logs/version_*`` (one per invocation), resumed steps replaced."""
     rows: list[dict[str, float]] = []
-    versions = sorted(Path(run).glob("logs/version_*/metrics.csv"), key=lambda path: int(path.parent.name[8:]))
-    for path in versions:
+    for path in metrics_files(run):
         with open(path) as file:
             new = [{key: float(value) for key, value in row.items() if value != ""} for row in csv.DictReader(file)]
         if new:  # a resumed invocation starts at its checkpoint's step: it replaces what came after it
@@ -89,7 +93,7 @@ def print_summary(title: str, rows: list[dict[str, float]], chance: dict[str, fl
     from contrastive_dist.lightning.training import MidEpochCheckpoint
 
     (end_of_run,) = [callback for callback in trainer.callbacks if isinstance(callback, MidEpochCheckpoint)]
-    first, last = end_of_run.start_step, trainer.global_step
+    first, last = end_of_run.start_step, end_of_run.saved_at
     steps = f"{last} steps" if first == 0 else f"steps {first + 1}-{last} (resumed; the run has {last} steps)"
     saved, now = end_of_run.saved_layout, end_of_run.layout(trainer)
     if first and saved is not None and saved != now:
@@ -97,7 +101,7 @@ def print_summary(title: str, rows: list[dict[str, float]], chance: dict[str, fl
         steps += (f", resumed on {now['processes']} process(es) × {now['batch_size']} with {now['num_workers']} "
                   f"worker(s) from {saved['processes']} × {saved['batch_size']} with {saved['num_workers']} "
                   f"({'the same' if same else 'another'} global batch)")
-    lines = [f"== {title}: done in {seconds:.0f} s on {trainer.world_size} process(es), {steps} =="]
+    lines = [f"== {title}: done in {seconds:.0f} s on {now['processes']} process(es), {steps} =="]
     for key, reference in chance.items():
         values = [row[key] for row in rows if key in row]
         if not values:
@@ -113,10 +117,10 @@ def report_run(run: Path, trainer: Any, chance: dict[str, float], *, title: str,
     """Plot a finished run's curves to ``run/curves.png`` (unless ``plot_title`` is ``None``) and print its summary.
 
     The summary (:func:`print_summary`) lists the run's folder, its ``metrics.csv``, the curves and
-    then ``files`` (other plots the caller wrote). ``trainer``'s first logger is a ``CSVLogger`` in
-    ``run`` (:func:`read_metrics` reads every invocation of a resumed run).
+    then ``files`` (other plots the caller wrote). ``trainer`` logs with a ``CSVLogger`` in ``run/logs``
+    (:func:`read_metrics` reads every invocation of a resumed run; the newest is this one's).
     """
-    listed = {"run": run, "metrics": Path(trainer.loggers[0].log_dir or ".") / "metrics.csv"}
+    listed = {"run": run, "metrics": (metrics_files(run) or [run / "logs"])[-1]}
     rows = read_metrics(run)
     if plot_title is not None:
         listed["curves"] = run / "curves.png"

@@ -51,9 +51,12 @@ class MidEpochCheckpoint(L.Callback):
         self.path, self.every, self.saved_at, self.start_step = Path(path), every, -1, 0
         self.extra_layout = dict(layout or {})
         self.saved_layout: dict[str, int] | None = None
+        self.recovered_layout: dict[str, int] | None = None
 
     def layout(self, trainer: L.Trainer) -> dict[str, int]:
         """The number of processes and the ``layout`` given at construction."""
+        if self.recovered_layout is not None:
+            return self.recovered_layout
         return {"processes": trainer.world_size, **self.extra_layout}
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
@@ -61,12 +64,25 @@ class MidEpochCheckpoint(L.Callback):
         self.start_step = trainer.global_step  # > 0 when resumed
 
     def on_save_checkpoint(self, trainer: L.Trainer, module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        """Record the layout in the checkpoint."""
+        """Record the layout in the checkpoint, and this invocation's first step and resumed layout."""
         checkpoint["recipe_layout"] = self.layout(trainer)
+        checkpoint["recipe_invocation"] = {"start_step": self.start_step, "resumed_layout": self.saved_layout}
 
     def on_load_checkpoint(self, trainer: L.Trainer, module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         """Read the layout of the checkpoint resumed from."""
         self.saved_layout = checkpoint.get("recipe_layout")
+
+    def recover(self) -> None:
+        """Read this invocation's steps and layouts back from :attr:`path`.
+
+        For the process that launched the ranks with ``ddp_spawn`` or ``ddp_fork``: the ranks ran
+        in processes of their own, so this callback's copy here never saw the run.
+        """
+        checkpoint = torch.load(self.path, map_location="cpu", weights_only=False)  # our own file
+        self.saved_at = checkpoint["global_step"]
+        self.start_step = checkpoint["recipe_invocation"]["start_step"]
+        self.saved_layout = checkpoint["recipe_invocation"]["resumed_layout"]
+        self.recovered_layout = checkpoint["recipe_layout"]
 
     def _save(self, trainer: L.Trainer) -> None:
         trainer.save_checkpoint(self.path, weights_only=False)
@@ -138,15 +154,21 @@ def fit(trainer: L.Trainer, module: L.LightningModule, ckpt_path: Path | None = 
     """``trainer.fit`` (resuming from ``ckpt_path``); True on the process that reports (global rank 0).
 
     Exits non-zero when a rank process this one launched failed: Lightning's ``ddp`` launcher
-    watches its children only while rank 0 trains, so one that dies later would go unnoticed.
+    watches its children only while rank 0 trains, so one that dies later would go unnoticed. After
+    ``ddp_spawn`` or ``ddp_fork`` (the ranks ran in child processes) the
+    :class:`MidEpochCheckpoint` callbacks read the run back from their checkpoint.
     """
     # Lightning loads a checkpoint's weights before it converts the module to the precision's dtype:
     # converted first, a float64 run (precision="64-true") resumes without a round trip through float32.
     trainer.precision_plugin.convert_module(module)  # in place (Module.double, Module.to)
     trainer.fit(module, ckpt_path=None if ckpt_path is None else str(ckpt_path), weights_only=True)
-    failed = [(process.pid, process.wait()) for process in getattr(trainer.strategy.launcher, "procs", [])]
-    failed = [(pid, code) for pid, code in failed if code != 0]
+    launched = getattr(trainer.strategy.launcher, "procs", [])  # subprocess.Popen, or multiprocessing's processes
+    codes = [(process.pid, process.wait() if hasattr(process, "wait") else process.exitcode) for process in launched]
+    failed = [(pid, code) for pid, code in codes if code != 0]
     if failed:
         print(f"error: launched rank processes failed (pid, exit code): {failed}", file=sys.stderr)
         sys.exit(1)
+    for callback in getattr(trainer, "callbacks", []):  # set by Lightning's callback connector
+        if isinstance(callback, MidEpochCheckpoint) and callback.saved_at < 0 and callback.path.is_file():
+            callback.recover()  # this process launched the ranks and trained none
     return trainer.is_global_zero
