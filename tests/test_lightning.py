@@ -114,6 +114,8 @@ def fit_pairs(out_dir: str, num_workers: int, tag: str, batch_size: int, devices
 
     ``options``: the Trainer's; ``every_step_checkpoints``: a ``ModelCheckpoint`` after every step.
     """
+    # Each rank's workers start from its forkserver: imported there once, not in each worker of each epoch.
+    torch.multiprocessing.set_forkserver_preload(["torch", "lightning", __name__])
     callbacks = []
     if options.pop("every_step_checkpoints", False):
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out_dir, every_n_train_steps=1, save_top_k=-1))

@@ -64,6 +64,8 @@ def trainer(**options):
 
 def fit_on_two_ranks(shards: list[str], out_dir: str) -> None:
     """Fit a :class:`LoaderModule` with 2 workers on 2 ranks forked from this process (tests/forked_runs.py)."""
+    # Each rank's workers start from its forkserver: imported there once, not in each worker of each epoch.
+    torch.multiprocessing.set_forkserver_preload(["torch", "lightning", "webdataset", __name__])
     trainer(strategy="ddp_fork").fit(LoaderModule(shards, out_dir, num_workers=2))
 
 
