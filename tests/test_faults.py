@@ -134,6 +134,10 @@ def _never_joins_the_backward(rank: int, world_size: int) -> dict[str, object]:
             }
         outcome["seconds"] = time.monotonic() - start
     del loss, image, text
+    # Every rank keeps the timed-out group, and so answers its roll calls, until all have their outcome
+    # (a barrier of the pool's own group): a survivor whose transfer times out later than another's (a
+    # send to a rank that stopped on its own error) would otherwise find that rank gone, and name it.
+    dist.barrier()
     # The timed-out group is useless now; every rank drops it (no collective: safe on a broken group).
     dist.destroy_process_group(group)
     return outcome
