@@ -28,6 +28,7 @@ from contrastive_dist.losses._kernel import (
     chunk_budget,
     chunks,
     first_order_only,
+    formed_in_forward,
     gradients_wanted,
     grads_for,
     scaled,
@@ -169,9 +170,7 @@ class _FusedOneBlock(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx: Any, grad_total: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        saved = zip(ctx.saved_tensors, ctx.dtypes, strict=True)
-        grads = tuple(None if grad is None else (grad * grad_total).to(dtype) for grad, dtype in saved)
-        return (*grads, None, None, None)
+        return (*formed_in_forward(ctx, grad_total), None, None, None)
 
 
 def _grad_buffer(logits: Tensor, queries: Tensor, *, keep: bool) -> Tensor:

@@ -38,6 +38,7 @@ from contrastive_dist.losses._kernel import (
     accumulate,
     block_logits,
     first_order_only,
+    formed_in_forward,
     gradients_wanted,
     transposed_copy,
 )
@@ -250,10 +251,7 @@ class _Gram(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx: Any, grad_total: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        key_grad, scale_grad = ctx.saved_tensors
-        keys_dtype, scale_dtype = ctx.dtypes
-        key_grad = None if key_grad is None else (key_grad * grad_total).to(keys_dtype)
-        scale_grad = None if scale_grad is None else (scale_grad * grad_total).to(scale_dtype)
+        key_grad, scale_grad = formed_in_forward(ctx, grad_total)
         return None, key_grad, scale_grad, None, None, None
 
 

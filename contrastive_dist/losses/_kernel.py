@@ -45,6 +45,7 @@ __all__ = [
     "chunk_budget",
     "chunks",
     "first_order_only",
+    "formed_in_forward",
     "as_input",
     "grads_for",
     "scaled",
@@ -126,6 +127,16 @@ class Pairs(NamedTuple):
 
 
 Backward = Callable[..., tuple[Tensor | None, ...]]
+
+
+def formed_in_forward(ctx: Any, grad_total: Tensor) -> tuple[Tensor | None, ...]:
+    """A backward whose gradients were formed in forward: each saved one times the total's incoming gradient.
+
+    ``ctx.saved_tensors`` hold the gradients of the total (``None`` where not wanted) and ``ctx.dtypes``
+    their inputs' dtypes, in the same order.
+    """
+    saved = zip(ctx.saved_tensors, ctx.dtypes, strict=True)
+    return tuple(None if grad is None else (grad * grad_total).to(dtype) for grad, dtype in saved)
 
 
 def first_order_only(backward: Backward) -> Backward:
