@@ -1,11 +1,12 @@
 """The losses on their fused epilogue path (CUDA's, run here in Triton's interpreter) against float64.
 
-On CUDA a block without key masks takes the fused Triton epilogues (``losses/_epilogue.py``); here
-the same path runs on CPU tensors under ``TRITON_INTERPRET=1`` with ``CONTRASTIVE_DIST_EPILOGUE=triton``,
-in a process of its own (Triton reads the variable when it is first imported):
-:func:`test_in_interpreter` runs this file's checks there. Each check counts the fused ops it
-called, so that a silent fall back to the eager chain fails it. The reference is independent of the
-code under test: the plain float64 loops of ``tests/loss_references.py``.
+On CUDA a block without key masks takes the fused Triton epilogues (``losses/_epilogue.py``) in every
+path (gather mode, ring mode, per-row losses); here the same path runs on CPU tensors under
+``TRITON_INTERPRET=1`` with ``CONTRASTIVE_DIST_EPILOGUE=triton``, in a process of its own (Triton reads
+the variable when it is first imported): :func:`test_in_interpreter` runs this file's checks there.
+Each check counts the fused ops it called, so that a silent fall back to the eager chain fails it.
+The reference is independent of the code under test: the plain float64 loops of
+``tests/loss_references.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import Tensor
 
 pytest.importorskip("triton")
 
-from loss_references import make_problem, package_value, reference_value, value_and_grads  # noqa: E402
+from loss_references import make_problem, objective, package_value, reference_value, value_and_grads  # noqa: E402
 
 from contrastive_dist import SharedNegatives  # noqa: E402
 from contrastive_dist.losses import _triton  # noqa: E402
@@ -81,7 +82,7 @@ def _reference(kind: str, mode: str, params: dict[str, Tensor], data: dict[str, 
     shared = kind == "clip_shared_negatives"
     negatives = _shared_negatives(params["w_text"].dtype).double() if shared else None
     value = reference_value("clip" if shared else kind, mode, params64, data64, negatives=negatives)
-    return value_and_grads(value, params64)
+    return value.detach(), value_and_grads(objective(value, mode, data64["upstream"]), params64)[1]
 
 
 def _package(kind: str, mode: str, params: dict[str, Tensor], data: dict[str, Tensor], **options: object) -> Tensor:
@@ -91,9 +92,14 @@ def _package(kind: str, mode: str, params: dict[str, Tensor], data: dict[str, Te
     return package_value(kind, mode, params, data, **options)  # type: ignore[arg-type]
 
 
+def _objective(value: Tensor, mode: str, data: dict[str, Tensor]) -> Tensor:
+    """The loss, or ``Σ u_i ℓ_i`` of per-row losses (``reduction="none"``: their recomputed path)."""
+    return objective(value, mode, data["upstream"].to(value.dtype))
+
+
 @interpreted
 @pytest.mark.parametrize(("products", "chunk"), [("auto", None), ("auto", 16), ("half", None)])
-@pytest.mark.parametrize("mode", ["mean", "weighted"])
+@pytest.mark.parametrize("mode", ["mean", "weighted", "none"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_fused_path_equals_the_float64_reference(
     kind: str, mode: str, products: str, chunk: int | None, fused_calls: list[str], monkeypatch: pytest.MonkeyPatch
@@ -102,19 +108,25 @@ def test_fused_path_equals_the_float64_reference(
     monkeypatch.setenv(PRODUCTS_VARIABLE, products)
     dtype = torch.float32 if products == "auto" else torch.bfloat16
     params, data = _problem(dtype)
-    value, grads = value_and_grads(_package(kind, mode, params, data, chunk_size=chunk), params)
+    value = _package(kind, mode, params, data, chunk_size=chunk)
+    _, grads = value_and_grads(_objective(value, mode, data), params)
     assert fused_calls, "the fused epilogue was not taken"
     expected, expected_grads = _reference(kind, mode, params, data)
     # bfloat16: features, products and the gradients handed back are rounded to bfloat16.
     rtol = 1e-5 if dtype == torch.float32 else 2**-6
-    torch.testing.assert_close(value.double(), expected, rtol=rtol, atol=0)
+    torch.testing.assert_close(value.detach().double(), expected, rtol=rtol, atol=rtol * 1e-3)
     for name, grad in grads.items():
         reference = expected_grads[name]
         assert float((grad.double() - reference).abs().max()) <= rtol * float(reference.abs().max()), name
 
 
-def distributed_fused(rank: int, world_size: int, kind: str, shards: tuple[int, ...]) -> tuple[list, int]:
-    """This rank's share of the loss and its parameter gradients on the fused path, and how many fused ops ran."""
+MODES = ("mean", "weighted", "none")
+CASES = [(kind, communication) for kind in ("clip", "siglip") for communication in ("gather", "ring")]
+
+
+def distributed_fused(rank: int, world_size: int, shards: tuple[int, ...]) -> list[list[tuple[Tensor, dict, int]]]:
+    """Per case and mode: this rank's share of the loss (or its rows), its parameter gradients on the fused
+    path, and how many fused ops that call ran."""
     calls: list[str] = []
     for name in _OPS:
         op = getattr(_triton, name)
@@ -123,26 +135,36 @@ def distributed_fused(rank: int, world_size: int, kind: str, shards: tuple[int, 
     start, stop = sum(shards[:rank]), sum(shards[: rank + 1])
     local = {name: tensor[start:stop] for name, tensor in data.items()}
     results = []
-    for mode in ("mean", "weighted"):
-        results.append(value_and_grads(_package(kind, mode, params, local, chunk_size=2, sizes=shards), params))
-    return results, len(calls)
+    for kind, communication in CASES:
+        results.append([])
+        for mode in MODES:
+            calls.clear()
+            value = _package(kind, mode, params, local, chunk_size=2, sizes=shards, communication=communication)
+            grads = value_and_grads(_objective(value, mode, local), params)[1]
+            results[-1].append((value.detach(), grads, len(calls)))
+    return results
 
 
 @interpreted
-@pytest.mark.parametrize("kind", ["clip", "siglip"])
-def test_across_ranks_with_an_empty_one(kind: str) -> None:
-    # InfoNCE: every rank's partial column states merged by the exchange; an empty rank takes part.
+def test_across_ranks_with_an_empty_one() -> None:
+    # InfoNCE: every rank's partial column states merged by the exchange (gather), or travelling with
+    # their block (ring); per-row losses take the recomputed path; an empty rank takes part.
     shards = (3, 0, 4)
     with WorkerPool(len(shards), timeout=120) as pool:
-        outcomes = pool.run(distributed_fused, kind, shards)
-    assert all(calls for (_, calls), size in zip(outcomes, shards, strict=True) if size)
+        outcomes = pool.run(distributed_fused, shards)
     params, data = _problem(torch.float32, total=sum(shards), seed=3)
-    for index, mode in enumerate(("mean", "weighted")):
-        expected, expected_grads = _reference(kind, mode, params, data)
-        shares = [results[index] for results, _ in outcomes]
-        # The mean over ranks is the global loss; DDP averages the parameters' gradients.
-        mean = sum(value.double() for value, _ in shares) / len(shards)
-        torch.testing.assert_close(mean, expected, rtol=1e-5, atol=0)
-        for name, reference in expected_grads.items():
-            grad = sum(grads[name].double() for _, grads in shares) / len(shards)
-            assert float((grad - reference).abs().max()) <= 1e-5 * float(reference.abs().max()), name
+    for case_index, case in enumerate(CASES):
+        for index, mode in enumerate(MODES):
+            what = (*case, mode)
+            expected, expected_grads = _reference(case[0], mode, params, data)
+            shares = [results[case_index][index] for results in outcomes]
+            assert all(calls for (_, _, calls), size in zip(shares, shards, strict=True) if size), what
+            # A mean: the mean over ranks is the global loss and DDP averages the parameters' gradients.
+            # Rows: the ranks' rows in rank order are the global rows, their objectives' sum the global one.
+            divisor = 1 if mode == "none" else len(shards)
+            values = [value.double() for value, _, _ in shares]
+            value = torch.cat(values) if mode == "none" else sum(values) / divisor
+            torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-8, msg=lambda m, w=what: f"{w}: {m}")
+            for name, reference in expected_grads.items():
+                grad = sum(grads[name].double() for _, grads, _ in shares) / divisor
+                assert float((grad - reference).abs().max()) <= 1e-5 * float(reference.abs().max()), (what, name)

@@ -10,6 +10,7 @@ a property of the code, not of a machine: exact and the same on every run.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,9 +41,14 @@ SYMMETRIC = ("nt_xent", "supcon")
 """Losses of ``2n`` rows against ``2n`` columns (two views per sample)."""
 
 
-def loss_call(loss: str, chunk: int | None) -> Callable[..., Tensor]:
-    """The public function, called with ``chunk_size=chunk`` and otherwise its defaults."""
+def loss_call(loss: str, chunk: int | None, reduction: str = "mean") -> Callable[..., Tensor]:
+    """The public function, called with ``chunk_size=chunk`` and otherwise its defaults.
+
+    ``reduction="none"``: the per-row losses (their recomputed path), summed.
+    """
     function = getattr(contrastive_dist, loss)
+    if reduction == "none":
+        return lambda *inputs: function(*inputs, chunk_size=chunk, reduction="none").sum()
     return lambda *inputs: function(*inputs, chunk_size=chunk)
 
 
@@ -69,15 +75,15 @@ def matrix_side(loss: str, rows: int) -> int:
     return 2 * rows if loss in SYMMETRIC else rows
 
 
-def tally(loss: str, chunk: int | None, dtype: torch.dtype, rows: int = ROWS) -> traffic.Tally:
-    return traffic.count(loss_call(loss, chunk), loss_inputs(loss, rows, dtype), dim=DIM)
+def tally(loss: str, chunk: int | None, dtype: torch.dtype, rows: int = ROWS, reduction: str = "mean") -> traffic.Tally:
+    return traffic.count(loss_call(loss, chunk, reduction), loss_inputs(loss, rows, dtype), dim=DIM)
 
 
-def bytes_per_logit(loss: str, chunk: int | None, dtype: torch.dtype) -> float:
-    return tally(loss, chunk, dtype).epilogue_bytes / matrix_side(loss, ROWS) ** 2
+def bytes_per_logit(loss: str, chunk: int | None, dtype: torch.dtype, reduction: str = "mean") -> float:
+    return tally(loss, chunk, dtype, reduction=reduction).epilogue_bytes / matrix_side(loss, ROWS) ** 2
 
 
-def launches_per_chunk_visit(loss: str, dtype: torch.dtype, chunk: int = CHUNK) -> float:
+def launches_per_chunk_visit(loss: str, dtype: torch.dtype, chunk: int = CHUNK, reduction: str = "mean") -> float:
     """Epilogue launches each chunk of rows adds: the difference between ``chunk`` and ``2 · chunk``.
 
     Fixed per-call launches (checks, allocations, the reduction) cancel out; what remains is the
@@ -85,7 +91,8 @@ def launches_per_chunk_visit(loss: str, dtype: torch.dtype, chunk: int = CHUNK) 
     """
     side = matrix_side(loss, ROWS)
     extra_chunks = side // chunk - side // (2 * chunk)
-    return (tally(loss, chunk, dtype).epilogue - tally(loss, 2 * chunk, dtype).epilogue) / extra_chunks
+    fine, coarse = (tally(loss, size, dtype, reduction=reduction).epilogue for size in (chunk, 2 * chunk))
+    return (fine - coarse) / extra_chunks
 
 
 # The counter itself, against sizes worked out by hand.
@@ -181,17 +188,23 @@ KEY_MASKS_EAGER = pytest.mark.xfail(
 """A target not met yet: strict, so that the day it is met this mark must go."""
 
 
+REDUCTIONS = ("mean", "none")
+"""A loss (its gradient formed with the logits) and per-row losses (recomputed in backward, as in ring mode)."""
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("chunk", [None, CHUNK])
 @pytest.mark.parametrize(
     ("loss", "target"), [("siglip", SIGLIP_BYTES_PER_LOGIT), ("info_nce", INFONCE_BYTES_PER_LOGIT)]
 )
-def test_epilogue_bytes_per_logit(loss: str, target: float, chunk: int | None) -> None:
-    assert bytes_per_logit(loss, chunk, torch.bfloat16) <= target
+def test_epilogue_bytes_per_logit(loss: str, target: float, chunk: int | None, reduction: str) -> None:
+    assert bytes_per_logit(loss, chunk, torch.bfloat16, reduction) <= target
 
 
+@pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("loss", [pytest.param(n, marks=KEY_MASKS_EAGER) if n == "supcon" else n for n in LOSSES])
-def test_epilogue_launches_per_chunk_visit(loss: str) -> None:
-    assert launches_per_chunk_visit(loss, torch.bfloat16) <= LAUNCHES_PER_CHUNK_VISIT
+def test_epilogue_launches_per_chunk_visit(loss: str, reduction: str) -> None:
+    assert launches_per_chunk_visit(loss, torch.bfloat16, reduction=reduction) <= LAUNCHES_PER_CHUNK_VISIT
 
 
 def table(dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16)) -> str:
@@ -202,17 +215,16 @@ def table(dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16)) -> st
         "| epilogue bytes / logit | host reads |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for loss in LOSSES:
-        for chunk in (None, CHUNK):
-            for dtype in dtypes:
-                counted = tally(loss, chunk, dtype)
-                # The default call chooses its own chunks: no second size to difference against.
-                per_visit = f"{launches_per_chunk_visit(loss, dtype):.1f}" if chunk else "—"
-                lines.append(
-                    f"| {loss} | {'default' if chunk is None else f'chunk{chunk}'} | {str(dtype).split('.')[1]} "
-                    f"| {counted.products} | {counted.logit_blocks} | {counted.epilogue} | {per_visit} "
-                    f"| {counted.epilogue_bytes / matrix_side(loss, ROWS) ** 2:.1f} | {counted.host_reads} |"
-                )
+    for loss, reduction, chunk, dtype in itertools.product(LOSSES, REDUCTIONS, (None, CHUNK), dtypes):
+        counted = tally(loss, chunk, dtype, reduction=reduction)
+        # The default call chooses its own chunks: no second size to difference against.
+        per_visit = f"{launches_per_chunk_visit(loss, dtype, reduction=reduction):.1f}" if chunk else "—"
+        call = ("default" if chunk is None else f"chunk{chunk}") + (", per row" if reduction == "none" else "")
+        lines.append(
+            f"| {loss} | {call} | {str(dtype).split('.')[1]} "
+            f"| {counted.products} | {counted.logit_blocks} | {counted.epilogue} | {per_visit} "
+            f"| {counted.epilogue_bytes / matrix_side(loss, ROWS) ** 2:.1f} | {counted.host_reads} |"
+        )
     return "\n".join(lines)
 
 

@@ -4,10 +4,12 @@ A block's epilogue is everything between its product and the products of its gra
 logits' scale and bias, the rows' state, the logit gradient ``G``. On CUDA, for targets without
 key masks (no ids, no labels) and float32 or bfloat16 features, it is one fused launch that reads
 the raw product ``P = Q Kᵀ`` and writes ``G`` (in bfloat16 for bfloat16 features): 6–10 bytes per
-logit instead of the eager chain's 40–130. Everything else takes the eager chain, which stays the
-reference: the same numbers to float32 rounding (``tests/test_triton_epilogue.py``,
-``tests/test_losses_fused_epilogue.py``). ``CONTRASTIVE_DIST_EPILOGUE`` chooses (see
-:data:`._triton.EPILOGUE_VARIABLE`).
+logit instead of the eager chain's 40–130. Every path takes it: gather mode's gradients formed in
+forward (:mod:`._fused`), the recomputed path of ring mode and per-row losses (:mod:`._recomputed`:
+the states in forward, ``G`` in backward) and SigLIP's ring (:mod:`._sigmoid_ring`). Everything
+else takes the eager chain, which stays the reference: the same numbers to float32 rounding
+(``tests/test_triton_epilogue.py``, ``tests/test_losses_fused_epilogue.py``).
+``CONTRASTIVE_DIST_EPILOGUE`` chooses (see :data:`._triton.EPILOGUE_VARIABLE`).
 
 float16 features keep the eager chain: their logit gradient, rounded with the row weights folded
 in, needs the power-of-two scaling of :func:`._kernel.accumulate`.
@@ -23,7 +25,7 @@ from torch import Tensor
 from contrastive_dist.losses._kernel import DECOUPLED, SIGMOID, Family, Pairs
 from contrastive_dist.losses._precision import product
 
-__all__ = ["column_indices", "fused", "gradient", "raw_product", "row_indices", "row_state"]
+__all__ = ["chunk_of", "column_indices", "fused", "grad_buffer", "gradient", "raw_product", "row_indices", "row_state"]
 
 
 _EPILOGUE_VARIABLE = "CONTRASTIVE_DIST_EPILOGUE"  # read here too, so that CPU runs never import Triton
@@ -58,10 +60,33 @@ def row_indices(pairs: Pairs, own_start: int | None) -> tuple[Tensor | None, Ten
     return tuple(None if index is None else index + own_start for index in (rows.positive, rows.excluded))  # type: ignore[return-value]
 
 
-def column_indices(pairs: Pairs, start: int) -> Tensor | None:
-    """Each column's positive among the rows ``start:`` (outside the chunk: none), for the columns' direction."""
+Indices = tuple[Tensor | None, Tensor | None]
+"""A block's rows' positive and excluded columns, as the fused ops take them (``None``: none)."""
+
+
+def chunk_of(indices: Indices, start: int, stop: int) -> Indices:
+    """The rows ``start:stop`` of :func:`row_indices`."""
+    return tuple(None if index is None else index[start:stop] for index in indices)  # type: ignore[return-value]
+
+
+def column_indices(pairs: Pairs, start: int, own_start: int | None) -> Indices:
+    """Each column's positive among the rows ``start:`` (outside the chunk: none), for the columns' direction.
+
+    Only this rank's own block (``own_start`` not ``None``) holds columns whose positive is one of its
+    rows; a column excludes no row.
+    """
     column_positive = pairs.rows.column_positive
-    return None if column_positive is None else column_positive - start
+    return (None if column_positive is None or own_start is None else column_positive - start), None
+
+
+def grad_buffer(logits: Tensor, queries: Tensor, *, keep: bool) -> Tensor:
+    """Where the fused epilogue writes ``G``: a buffer in the features' dtype, or the float32 product.
+
+    The product itself unless it is still needed (``keep``: the columns' direction reads it after the rows').
+    """
+    if queries.dtype != torch.float32 or keep:
+        return logits.new_empty(logits.shape, dtype=queries.dtype)
+    return logits
 
 
 def row_state(

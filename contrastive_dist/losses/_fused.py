@@ -81,9 +81,6 @@ class _FusedOneBlock(torch.autograd.Function):
         kept = None
         block: Any = None  # the columns' side of a chunk: (product, their positives) fused, a ColumnBlock eager
 
-        def chunk_indices(start: int, stop: int) -> tuple[Tensor | None, Tensor | None]:
-            return tuple(None if index is None else index[start:stop] for index in row_indices)  # type: ignore[return-value]
-
         def chunk_weights(start: int, stop: int) -> Tensor | float:
             return 1.0 if weights is None else weights[start:stop]
 
@@ -97,13 +94,14 @@ class _FusedOneBlock(torch.autograd.Function):
             formed_now = any_grad and (not symmetric or whole)  # G now, or after the columns' exchange
             if fast:
                 logits = epilogue.raw_product(queries[start:stop], block_keys)
-                logit_grad = _grad_buffer(logits, queries, keep=symmetric) if formed_now else None
+                logit_grad = epilogue.grad_buffer(logits, queries, keep=symmetric) if formed_now else None
                 if symmetric:
-                    block = (logits, (epilogue.column_indices(pairs, start), None))
+                    block = (logits, epilogue.column_indices(pairs, start, own_start))
                     column_parts.append(epilogue.row_state(family, logits[:, :columns].T, scale, bias, block[1],
                                                            1.0, None)[0])  # fmt: skip
+                indices = epilogue.chunk_of(row_indices, start, stop)
                 state, grad_sums = epilogue.row_state(
-                    family, logits, scale, bias, chunk_indices(start, stop), chunk_weights(start, stop), logit_grad
+                    family, logits, scale, bias, indices, chunk_weights(start, stop), logit_grad
                 )
                 row_state[start:stop] = state
             else:
@@ -134,10 +132,11 @@ class _FusedOneBlock(torch.autograd.Function):
                     logit_grad, block = kept
                 elif fast:
                     logits = epilogue.raw_product(queries[start:stop], block_keys)
-                    logit_grad = _grad_buffer(logits, queries, keep=True)
-                    epilogue.gradient(family, logits, scale, bias, row_state[start:stop], chunk_indices(start, stop),
+                    logit_grad = epilogue.grad_buffer(logits, queries, keep=True)
+                    indices = epilogue.chunk_of(row_indices, start, stop)
+                    epilogue.gradient(family, logits, scale, bias, row_state[start:stop], indices,
                                       chunk_weights(start, stop), logit_grad)  # fmt: skip
-                    block = (logits, (epilogue.column_indices(pairs, start), None))
+                    block = (logits, epilogue.column_indices(pairs, start, own_start))
                 else:
                     targets = pairs.rows.block(own_start, start, stop, column_keys)
                     logits = block_logits(queries[start:stop], block_keys, scale, bias)
@@ -171,16 +170,6 @@ class _FusedOneBlock(torch.autograd.Function):
     @first_order_only
     def backward(ctx: Any, grad_total: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         return (*formed_in_forward(ctx, grad_total), None, None, None)
-
-
-def _grad_buffer(logits: Tensor, queries: Tensor, *, keep: bool) -> Tensor:
-    """Where the fused epilogue writes ``G``: a buffer in the features' dtype, or the float32 product.
-
-    The product itself unless it is still needed (``keep``: the columns' direction reads it after the exchange).
-    """
-    if queries.dtype != torch.float32 or keep:
-        return logits.new_empty(logits.shape, dtype=queries.dtype)
-    return logits
 
 
 def _weighted(losses: Tensor, weights: Tensor | None) -> Tensor:

@@ -11,7 +11,10 @@ only in backward).
 (``chunk_size=None`` and at most :data:`~._kernel.BLOCK_LOGITS` logits, :func:`keeps`): backward
 moves the numerators onto the rows' final state (a rescaling, no product), three products in all.
 Otherwise, and always in ring mode (whose memory does not grow with the number of ranks), backward
-meets every block again and recomputes its logits: four.
+meets every block again and recomputes its logits: four. Blocks on the fused epilogue (CUDA,
+:mod:`._epilogue`) are recomputed too: kept, a block's numerators cost ~57 bytes per logit of memory
+traffic (SigLIP, bf16, counted by ``tests/test_traffic.py``) against ~13 recomputed, which on a GPU
+outweighs the fourth product.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import torch
 from torch import Tensor
 
 from contrastive_dist.engine._ring import Block
+from contrastive_dist.losses import _epilogue as epilogue
 from contrastive_dist.losses._columns import OneBlock
 from contrastive_dist.losses._kernel import (
     BLOCK_LOGITS,
     LOCAL,
+    Grads,
     Pairs,
     accumulate,
     as_input,
@@ -116,7 +121,7 @@ class _Recomputed(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor, Tensor]:
         family, transport = pairs.family, pairs.transport
         row_state = family.empty_state(queries.shape[0], scale)
-        keep = keeps(pairs)
+        keep = keeps(pairs) and not epilogue.fused(pairs, queries, keys)  # the fused epilogue keeps no numerators
         kept: dict[int, tuple[Block, list[_Kept]]] = {}
 
         def visit(owner: int, block: Block, column_state: Tensor | None) -> None:
@@ -126,7 +131,11 @@ class _Recomputed(torch.autograd.Function):
             own_start = transport.own_start_of(owner) if owner != LOCAL else None
             parts: list[_Kept] = []
             budget = chunk_budget(queries)
-            for start, stop in chunks(queries.shape[0], pairs.chunk, block_keys.shape[0], budget=budget):
+            spans = chunks(queries.shape[0], pairs.chunk, block_keys.shape[0], budget=budget)
+            if epilogue.fused(pairs, queries, block_keys):
+                _fused_states(pairs, queries, block_keys, scale, bias, own_start, spans, row_state, column_state)
+                return
+            for start, stop in spans:
                 logits = block_logits(queries[start:stop], block_keys, scale, bias)
                 targets = pairs.rows.block(own_start, start, stop, column_keys)
                 columns, column_partial = None, None
@@ -204,6 +213,11 @@ class _Recomputed(torch.autograd.Function):
             block_keys = block[0]
             budget = chunk_budget(queries)
             spans = chunks(queries.shape[0], pairs.chunk, block_keys.shape[0], budget=budget)
+            if kept is None and epilogue.fused(pairs, queries, block_keys):
+                own_start = transport.own_start_of(owner) if owner != LOCAL else None
+                _fused_gradients(pairs, queries, block_keys, scale, bias, own_start, spans, row_state, row_grad,
+                                 columns_here, grads, key_grad)  # fmt: skip
+                return
             for (start, stop), part in zip(spans, parts, strict=True):
                 chunk_state = row_state[start:stop]
                 values = part.values if part.partial is None else family.rebase_(part.values, part.partial, chunk_state)
@@ -233,3 +247,56 @@ class _Recomputed(torch.autograd.Function):
         if key_grad is not None:  # home with every rank's contribution: scaled once
             key_grad.mul_(scale)
         return as_input(query_grad, queries), as_input(key_grad, keys), scale_grad, grads.bias, None, None
+
+
+def _fused_states(
+    pairs: Pairs, queries: Tensor, block_keys: Tensor, scale: Tensor, bias: Tensor | None, own_start: int | None,
+    spans: list[tuple[int, int]], row_state: Tensor, column_state: Tensor | None,
+) -> None:  # fmt: skip
+    """One block's states on the fused epilogue, merged into the rows' (and the columns') running states.
+
+    Each chunk's raw product gives its rows' state and its columns' partial state, one launch each;
+    both are merged once per block (a merge is a dozen small launches).
+    """
+    family, row_indices = pairs.family, epilogue.row_indices(pairs, own_start)
+    columns = 0 if column_state is None else column_state.shape[0]
+    row_parts, column_parts = [], []
+    for start, stop in spans:
+        product = epilogue.raw_product(queries[start:stop], block_keys)
+        if columns:
+            indices = epilogue.column_indices(pairs, start, own_start)
+            column_parts.append(epilogue.row_state(family, product[:, :columns].T, scale, bias, indices, 1.0, None)[0])
+        indices = epilogue.chunk_of(row_indices, start, stop)
+        row_parts.append(epilogue.row_state(family, product, scale, bias, indices, 1.0, None)[0])
+    if row_parts:  # (none on a rank without rows)
+        family.merge_(row_state, torch.cat(row_parts))
+    if column_state is not None and column_parts:
+        family.merge_(column_state, family.merged(torch.stack(column_parts)))
+
+
+def _fused_gradients(
+    pairs: Pairs, queries: Tensor, block_keys: Tensor, scale: Tensor, bias: Tensor | None, own_start: int | None,
+    spans: list[tuple[int, int]], row_state: Tensor, row_grad: Tensor, columns_here: Tensor | None, grads: Grads,
+    key_grad: Tensor | None,
+) -> None:  # fmt: skip
+    """One block's gradients on the fused epilogue, then its products.
+
+    Each chunk's raw product again; ``G`` of its rows (and of the columns, added on) in one launch
+    each, from their final states, the upstream gradients as row weights.
+    """
+    family, row_indices = pairs.family, epilogue.row_indices(pairs, own_start)
+    columns = 0 if columns_here is None else columns_here.shape[0]
+    if columns_here is not None and columns:  # the columns' final states and upstream gradients, travelling
+        column_state, upstream = columns_here[:, :-1].contiguous(), columns_here[:, -1].to(torch.float32)
+    for start, stop in spans:
+        product = epilogue.raw_product(queries[start:stop], block_keys)
+        logit_grad = epilogue.grad_buffer(product, queries, keep=columns > 0)
+        indices = epilogue.chunk_of(row_indices, start, stop)
+        grad_sums = epilogue.gradient(family, product, scale, bias, row_state[start:stop], indices,
+                                      row_grad[start:stop], logit_grad)  # fmt: skip
+        if columns:
+            indices = epilogue.column_indices(pairs, start, own_start)
+            epilogue.gradient(family, product[:, :columns].T, scale, bias, column_state, indices, upstream,
+                              logit_grad[:, :columns].T, accumulate=True)  # fmt: skip
+        bias_sum = None if grad_sums is None else grad_sums.sum()
+        accumulate(logit_grad, queries[start:stop], block_keys, start, grads, key_grad, bias_sum=bias_sum)

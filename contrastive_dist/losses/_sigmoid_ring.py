@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from contrastive_dist.engine._ring import Block
+from contrastive_dist.losses import _epilogue as epilogue
 from contrastive_dist.losses._kernel import (
     Pairs,
     accumulate,
@@ -69,13 +70,25 @@ class _SigmoidRing(torch.autograd.Function):
             if block_keys.shape[0] == 0:
                 return
             own_start = transport.own_start_of(owner)
+            fast = epilogue.fused(pairs, queries, block_keys)
+            row_indices = epilogue.row_indices(pairs, own_start) if fast else (None, None)
             for start, stop in chunks(queries.shape[0], pairs.chunk, block_keys.shape[0], budget=budget):
+                row_weights = 1.0 if weights is None else weights[start:stop]
+                if fast:  # one launch: the rows' sums and G (the fused epilogue reads the raw product)
+                    logits = epilogue.raw_product(queries[start:stop], block_keys)
+                    logit_grad = epilogue.grad_buffer(logits, queries, keep=False) if any_grad else None
+                    indices = epilogue.chunk_of(row_indices, start, stop)
+                    sums, grad_sums = epilogue.row_state(family, logits, scale, bias, indices, row_weights, logit_grad)
+                    family.merge_(row_sums[start:stop], sums)
+                    if logit_grad is not None and grad_sums is not None:
+                        accumulate(logit_grad, queries[start:stop], block_keys, start, grads, key_grad,
+                                   bias_sum=grad_sums.sum())  # fmt: skip
+                    continue
                 logits = block_logits(queries[start:stop], block_keys, scale, bias)
                 targets = pairs.rows.block(own_start, start, stop, column_keys)
                 mask = targets.positive_mask(logits)
                 family.merge_(row_sums[start:stop], family.block_state_(logits, targets, mask))
                 if any_grad:
-                    row_weights = 1.0 if weights is None else weights[start:stop]
                     logit_grad = family.gradient_(logits, row_sums[start:stop], targets, mask, row_weights)
                     accumulate(logit_grad, queries[start:stop], block_keys, start, grads, key_grad)
 
