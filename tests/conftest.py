@@ -1,12 +1,33 @@
-"""Shared fixtures: long-lived gloo worker pools, one per world size, reused by every test."""
+"""Shared fixtures: long-lived gloo worker pools, one per world size, reused by every test; the background commands."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import background
 import pytest
 
 from contrastive_dist.testing import WorkerPool
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "background(key): the test waits for the outcome of the background command key (tests/background.py)"
+    )
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the background commands of the tests that will run, so that they run beside the others."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        marker = item.get_closest_marker("background")
+        if marker is not None:
+            background.start(marker.args[0])
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    background.stop_all()
 
 
 @pytest.fixture(scope="session")

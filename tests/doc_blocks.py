@@ -8,6 +8,9 @@ A block runs in one of two ways:
   output must contain (``...`` stands for any text);
 * every other block runs in this process, after the page's earlier blocks, in their namespace, as
   a reader running them one after the other in a Python session would.
+
+``python tests/doc_blocks.py PAGE`` runs one page's blocks so, in a fresh folder (its working
+folder): how ``tests/test_docs_snippets.py`` runs the pages with scripts, as background commands.
 """
 
 from __future__ import annotations
@@ -61,14 +64,28 @@ def run_in_process(block: Block, namespace: dict[str, object]) -> None:
     exec(compile(block.code, block.where, "exec"), namespace)
 
 
-def run_script(block: Block, directory: Path, timeout: float) -> str:
-    """Write the block to its file in ``directory``, run its command there; return its output."""
+def run_page(page: Path, directory: Path, timeout: float, *, forked: bool = True) -> None:
+    """Every block of ``page`` in order, from ``directory`` (the working folder: files the blocks write land there)."""
+    namespace: dict[str, object] = {"__name__": "__docs__"}
+    for block in python_blocks(page):
+        if block.script is not None:
+            run_script(block, directory, timeout, forked=forked)
+        else:
+            run_in_process(block, namespace)
+
+
+def run_script(block: Block, directory: Path, timeout: float, *, forked: bool = True) -> str:
+    """Write the block to its file in ``directory``, run its command there; return its output.
+
+    ``forked``: a ``python FILE.py`` command runs as a fork of the process that imported torch and
+    Lightning already (``forked_runs``); otherwise every command is a fresh process.
+    """
     script = block.script
     assert script is not None, block.where
     (directory / script["name"]).write_text(block.code, encoding="utf-8")
     command = shlex.split(script["command"])
     launcher = {"python": [sys.executable], "torchrun": [sys.executable, "-m", "torch.distributed.run"]}
-    if command[0] == "python" and not command[1].startswith("-"):  # `python FILE.py`: a fork, imports done
+    if forked and command[0] == "python" and not command[1].startswith("-"):  # `python FILE.py`: a fork
         result = forked_runs().script(command[1:], cwd=directory, env=dict(os.environ), timeout=timeout)
     else:
         argv = [*launcher[command[0]], *command[1:]]
@@ -80,3 +97,13 @@ def run_script(block: Block, directory: Path, timeout: float) -> str:
         found = re.search(pattern, output, flags=re.DOTALL)
         assert found, f"{block.where}: the output lacks {expected!r}\n{output[-3000:]}"
     return output
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="doc_blocks_") as folder:
+        os.chdir(folder)
+        # Generous, and no fork server (whose start is bounded in seconds): the page may get only the CPU
+        # time the rest of the suite leaves (tests/background.py).
+        run_page(Path(sys.argv[1]).resolve(), Path(folder), timeout=900, forked=False)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import background
 import pytest
 import torch
 
@@ -268,17 +269,32 @@ def test_multi_rank_sections_on_3_gloo_processes(pool: Any, tmp_path: Path) -> N
     assert sum("Inf-CL (arXiv 2410.17243) Table 1" in row["note"] for row in sweep) == 8
 
 
-def test_all_gpu_command_entry_on_2_gloo_processes_under_torchrun_without_open_clip(tmp_path: Path) -> None:
-    # A package named open_clip that fails to import, first on the path: as if the dev extra were missing.
-    (tmp_path / "no_open_clip" / "open_clip").mkdir(parents=True)
-    (tmp_path / "no_open_clip" / "open_clip" / "__init__.py").write_text("raise ImportError('not installed here')\n")
+def _torchrun_without_open_clip() -> str:
+    """Declare the all-GPU command's entry under ``torchrun`` on 2 gloo processes, a background command."""
+    key = "gpu_check under torchrun"
+    where = background.workspace(key)
+
+    def no_open_clip() -> None:  # a package named open_clip that fails to import, first on the path
+        (where / "no_open_clip" / "open_clip").mkdir(parents=True, exist_ok=True)
+        (where / "no_open_clip" / "open_clip" / "__init__.py").write_text("raise ImportError('not installed here')\n")
+
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                str(ROOT / "benchmarks" / "gpu_check.py"), *FAST, "--csv", "two.csv"]
     environment = {**os.environ, "OMP_NUM_THREADS": "1",
-                   "PYTHONPATH": os.pathsep.join([str(tmp_path / "no_open_clip"), str(ROOT)])}
-    result = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=240)
+                   "PYTHONPATH": os.pathsep.join([str(where / "no_open_clip"), str(ROOT)])}
+    return background.command(key, command, cwd=where, env=environment, before=no_open_clip)
+
+
+TORCHRUN = _torchrun_without_open_clip()
+
+
+@pytest.mark.timeout(960)
+@pytest.mark.background(TORCHRUN)
+def test_all_gpu_command_entry_on_2_gloo_processes_under_torchrun_without_open_clip() -> None:
+    # As if the dev extra were missing: open_clip does not import.
+    result = background.outcome(TORCHRUN, timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    rows = _read(tmp_path / "two.csv")
+    rows = _read(background.workspace(TORCHRUN) / "two.csv")
     assert rows[0]["section"] == "machine" and rows[0]["ranks"] == "2" and "open_clip not installed" in rows[0]["note"]
     open_clip_rows = [row for row in rows if "open_clip" in row["check"]]
     assert len(open_clip_rows) == 2 and all(row["note"].startswith("skipped: open_clip is not installed")
@@ -300,17 +316,27 @@ def _bare_environment(**extra: str) -> dict[str, str]:
     return {**environment, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable, **extra}
 
 
-@pytest.fixture(scope="module")
-def gpu_day(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """``bash benchmarks/gpu_day.sh`` run once from elsewhere, as on a machine without CUDA (the wheels if any)."""
-    where = tmp_path_factory.mktemp("gpu_day")
+def _gpu_day() -> str:
+    """Declare ``bash benchmarks/gpu_day.sh`` run from elsewhere, as on a machine without CUDA (the wheels if
+    any): a background command, whose outcome two tests read."""
+    key = "gpu_day"
+    where = background.workspace(key)
     wheels = WHEELS if any(WHEELS.glob("*.whl")) else where / "no_wheels"
-    result = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_day.sh")], cwd=where, capture_output=True,
-                            text=True, timeout=600,
-                            env=_bare_environment(OUT=str(where / "out"), GPU_DAY_WHEELS=str(wheels)))
-    return result, where / "out"
+    environment = _bare_environment(OUT=str(where / "out"), GPU_DAY_WHEELS=str(wheels))
+    return background.command(key, ["bash", str(ROOT / "benchmarks" / "gpu_day.sh")], cwd=where, env=environment)
 
 
+GPU_DAY = _gpu_day()
+
+
+@pytest.fixture(scope="module")
+def gpu_day() -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The outcome of ``gpu_day.sh`` and the folder it wrote (its ``$OUT``)."""
+    return background.outcome(GPU_DAY, timeout=900), background.workspace(GPU_DAY) / "out"
+
+
+@pytest.mark.timeout(960)
+@pytest.mark.background(GPU_DAY)
 def test_gpu_day_without_cuda_runs_to_its_end_on_the_checkout_itself_and_exits_0(
         gpu_day: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     result, out = gpu_day
@@ -327,6 +353,7 @@ def test_gpu_day_without_cuda_runs_to_its_end_on_the_checkout_itself_and_exits_0
     assert (out / "gpu_day.log").read_text() == result.stdout  # everything is in the log that comes back
 
 
+@pytest.mark.background(GPU_DAY)
 def test_gpu_day_installs_the_wheels_into_a_temporary_target_and_imports_them(
         gpu_day: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     if not any(WHEELS.glob("*.whl")):

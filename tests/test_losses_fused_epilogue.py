@@ -12,7 +12,6 @@ The reference is independent of the code under test: the plain float64 loops of
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from torch import Tensor
 
 pytest.importorskip("triton")
 
+import background  # noqa: E402
 from loss_references import make_problem, objective, package_value, reference_value, value_and_grads  # noqa: E402
 
 from contrastive_dist import SharedNegatives  # noqa: E402
@@ -36,16 +36,24 @@ interpreted = pytest.mark.skipif(os.environ.get(_CHILD) != "1", reason="run by t
 _OPS = ("sigmoid_block", "softmax_state", "softmax_grad", "softmax_block")
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.skipif(os.environ.get(_CHILD) == "1", reason="this is the interpreter's process")
-def test_in_interpreter() -> None:
-    """Every check below, in a fresh process under ``TRITON_INTERPRET=1``."""
+def _interpreter_command() -> str:
+    """Declare this file's checks in a fresh process under ``TRITON_INTERPRET=1``: a background command."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, _CHILD: "1", "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     env[_triton.EPILOGUE_VARIABLE] = "triton"
-    checks = "not test_in_interpreter"
-    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", checks]
-    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=580)
+    argv = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "not test_in_interpreter"]
+    return background.command("fused loss checks", argv, cwd=root, env=env)
+
+
+INTERPRETER_CHECKS = _interpreter_command()
+
+
+@pytest.mark.timeout(960)
+@pytest.mark.background(INTERPRETER_CHECKS)
+@pytest.mark.skipif(os.environ.get(_CHILD) == "1", reason="this is the interpreter's process")
+def test_in_interpreter() -> None:
+    """Every check below, in the interpreter's process (started when the session started)."""
+    done = background.outcome(INTERPRETER_CHECKS, timeout=900)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     summary = done.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, done.stdout[-3000:]  # every check ran
@@ -150,7 +158,7 @@ def test_across_ranks_with_an_empty_one() -> None:
     # InfoNCE: every rank's partial column states merged by the exchange (gather), or travelling with
     # their block (ring); per-row losses take the recomputed path; an empty rank takes part.
     shards = (3, 0, 4)
-    with WorkerPool(len(shards), timeout=120) as pool:
+    with WorkerPool(len(shards), timeout=600) as pool:  # (the process may run at idle priority)
         outcomes = pool.run(distributed_fused, shards)
     params, data = _problem(torch.float32, total=sum(shards), seed=3)
     for case_index, case in enumerate(CASES):

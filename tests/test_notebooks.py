@@ -2,13 +2,15 @@
 
 Executed in a fresh ``python3`` kernel with the working directory set to ``notebooks/`` (as
 Jupyter does) and ``CONTRASTIVE_DIST_NOTEBOOK_QUICK=1``, which makes the notebooks use smaller
-sizes; the committed outputs come from a normal run.
+sizes; the committed outputs come from a normal run. Each run is a command of the suite's
+background (``tests/notebook_run.py``, started with the session: ``tests/background.py``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,28 +20,17 @@ nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 
+import background  # noqa: E402
+
 NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-CELL_TIMEOUT_S = 150
-KERNEL = "python3"
-
-
-@pytest.fixture(scope="module")
-def kernel_name(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The ``python3`` kernel; registered from the installed ipykernel (no network) when Jupyter cannot find it."""
-    from jupyter_client.kernelspec import KernelSpecManager
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("CONTRASTIVE_DIST_NOTEBOOK_QUICK", "1")  # the kernel inherits this environment
-        patch.setenv("MPLBACKEND", "Agg")
-        if KERNEL not in KernelSpecManager().find_kernel_specs():
-            from ipykernel.kernelspec import install
-
-            prefix = tmp_path_factory.mktemp("jupyter")
-            install(prefix=str(prefix), kernel_name=KERNEL)
-            patch.setenv("JUPYTER_PATH", str(prefix / "share" / "jupyter"))
-            assert KERNEL in KernelSpecManager().find_kernel_specs()
-        yield KERNEL
+RUNNER = Path(__file__).with_name("notebook_run.py")
+ENVIRONMENT = {**os.environ, "CONTRASTIVE_DIST_NOTEBOOK_QUICK": "1", "MPLBACKEND": "Agg"}  # the kernel inherits it
+RUNS = {
+    path: background.command(f"notebook {path.stem}", [sys.executable, str(RUNNER), str(path)], cwd=NOTEBOOK_DIR,
+                             env=ENVIRONMENT)  # fmt: skip
+    for path in NOTEBOOKS
+}
 
 
 def test_notebooks_are_present() -> None:
@@ -47,21 +38,16 @@ def test_notebooks_are_present() -> None:
     assert names == ["01_gradient_exactness.ipynb", "02_memory_and_speed.ipynb", "03_clip_walkthrough.ipynb"]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])
-def test_notebook_runs(path: Path, kernel_name: str) -> None:
-    notebook = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(
-        notebook,
-        kernel_name=kernel_name,
-        timeout=CELL_TIMEOUT_S,
-        resources={"metadata": {"path": str(NOTEBOOK_DIR)}},
-    )
-    client.execute()  # raises CellExecutionError, with the cell and its traceback, on any error
-    errors = [output for cell in notebook.cells for output in cell.get("outputs", []) if output.output_type == "error"]
-    assert not errors
-    images = [output for cell in notebook.cells for output in cell.get("outputs", [])
-              if "image/png" in output.get("data", {})]
-    assert images, f"{path.name} drew no plot"
+@pytest.mark.timeout(960)
+@pytest.mark.parametrize(
+    "path", [pytest.param(path, marks=pytest.mark.background(RUNS[path]), id=path.stem) for path in NOTEBOOKS]
+)
+def test_notebook_runs(path: Path) -> None:
+    done = background.outcome(RUNS[path], timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]  # a cell's error and its traceback
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not report["errors"]
+    assert report["images"], f"{path.name} drew no plot"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])

@@ -10,7 +10,6 @@ tiles, ragged tails and column spans.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -21,6 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 pytest.importorskip("triton")
+
+import background  # noqa: E402
 
 from contrastive_dist.losses import _sigmoid, _softmax  # noqa: E402
 from contrastive_dist.losses import _triton as epilogue  # noqa: E402
@@ -34,16 +35,16 @@ interpreted = pytest.mark.skipif(os.environ.get(_CHILD) != "1", reason="run by t
 outside_interpreter = pytest.mark.skipif(os.environ.get(_CHILD) == "1", reason="this is the interpreter's process")
 
 
+INTERPRETER_CHECKS = "triton epilogue checks"
+"""This file's checks in Triton's interpreter: a command of the suite's background (declared at the end)."""
+
+
 @outside_interpreter
+@pytest.mark.timeout(960)
+@pytest.mark.background(INTERPRETER_CHECKS)
 def test_in_interpreter() -> None:
     """Every check below, in a fresh process under ``TRITON_INTERPRET=1``."""
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, _CHILD: "1", "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    env.pop(epilogue.EPILOGUE_VARIABLE, None)
-    here = [name for name, test in globals().items() if outside_interpreter.mark in getattr(test, "pytestmark", [])]
-    checks = " and ".join(f"not {name}" for name in here)  # the others run in this process
-    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", checks]
-    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=280)
+    done = background.outcome(INTERPRETER_CHECKS, timeout=900)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     summary = done.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, done.stdout[-3000:]  # every check ran
@@ -399,3 +400,18 @@ def test_traffic_counted_on_the_meta_device() -> None:
         epilogue.softmax_block(product, scale, bias, positive, None, None, grad)
     per_logit = [(name.split("::")[1], round(moved / product.numel())) for name, moved in counter.calls]
     assert per_logit == [("sigmoid_block", 6), ("softmax_state", 4), ("softmax_grad", 8), ("softmax_block", 10)]
+
+
+def _interpreter_command() -> None:
+    """Declare the interpreter's run of every check of this file but those that run here."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, _CHILD: "1", "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    env.pop(epilogue.EPILOGUE_VARIABLE, None)
+    here = [name for name, test in globals().items() if outside_interpreter.mark in getattr(test, "pytestmark", [])]
+    checks = " and ".join(f"not {name}" for name in here)  # the others run in this process
+    argv = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", checks]
+    background.command(INTERPRETER_CHECKS, argv, cwd=root, env=env)
+
+
+if os.environ.get(_CHILD) != "1":
+    _interpreter_command()
