@@ -1,17 +1,19 @@
-"""Commands that tests only wait for, started when the session starts, on the CPU time the suite leaves idle.
+"""Commands that tests only wait for, run beside the suite on the CPU time it leaves idle.
 
 Some checks are one command and its outcome: a notebook executed in a fresh kernel, the Triton
 interpreter's checks in a process of their own. The rest of the suite keeps about one of the
 machine's cores busy on average (its processes start, import and wait on each other), so such a
 command can run beside it instead of after it. A test module declares the command
 (:func:`command`) and marks the test that reads its outcome ``@pytest.mark.background(key)``; right
-after collection the conftest starts the commands of the tests selected to run (:func:`start`), each
-in a session of its own under ``SCHED_IDLE``, the Linux scheduling class that only takes CPU time no
-other process wants (``nice 19`` where it is refused): the suite's other tests, some of which bound
+after collection the conftest queues the commands of the tests selected to run (:func:`queue`), in
+the order their tests come, and starts the next after each test (:func:`advance`), at most
+:data:`AT_ONCE` at a time. Each runs in a session of its own whose CPU share is the smallest there
+is: its scheduler group (Linux gives each session one) at ``nice 19`` against the suite's other
+processes, its threads in ``SCHED_IDLE`` within it. The suite's other tests, some of which bound
 their own waits in seconds, run as if nothing ran beside them. The test then waits for the outcome
-(:func:`outcome`) — by then the command has usually finished, and if not, it now has the CPU the
-waiting test leaves. A command whose test was not selected never starts; one that is still running
-when the session ends is killed with its children.
+(:func:`outcome`, which starts a command still queued): by then the command has usually finished,
+and if not, it has the CPU the waiting test leaves. A command whose test was not selected never
+starts; when the session ends every command's session is killed, children included.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Command", "command", "outcome", "start", "stop_all", "workspace"]
+__all__ = ["AT_ONCE", "Command", "advance", "command", "outcome", "queue", "start", "stop_all", "workspace"]
+
+AT_ONCE = 2
+"""Commands running at once: enough that one finishing during a long test leaves the core busy."""
 
 
 @dataclass
@@ -41,6 +46,7 @@ class Command:
 
 
 _COMMANDS: dict[str, Command] = {}
+_QUEUED: list[str] = []
 _ROOT: list[Path] = []  # the session's folder for the commands' files, made on first use
 
 
@@ -66,16 +72,41 @@ def command(
 
 
 def _idle() -> None:
-    """In the child, before it runs the command: only the CPU time nothing else wants."""
+    """In the child (a new session), before it runs the command: the least CPU share Linux gives.
+
+    The session's scheduler group at ``nice 19`` (without it, each session would get as much CPU as
+    the suite's processes together), its threads in ``SCHED_IDLE`` (``nice 19`` where refused).
+    """
+    try:
+        Path("/proc/self/autogroup").write_text("19")
+    except OSError:  # no autogroups here: the policy below is the whole story
+        pass
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):  # not Linux, or refused: the lowest priority instead
         os.nice(19)
 
 
+def queue(key: str) -> None:
+    """Queue ``key``'s command to start when fewer than :data:`AT_ONCE` run (see :func:`advance`)."""
+    if key not in _QUEUED and _COMMANDS[key].process is None:
+        _QUEUED.append(key)
+    advance()
+
+
+def advance() -> None:
+    """Start queued commands, in order, while fewer than :data:`AT_ONCE` are running."""
+    running = sum(1 for declared in _COMMANDS.values() if declared.process and declared.process.poll() is None)
+    while _QUEUED and running < AT_ONCE:
+        start(_QUEUED.pop(0))
+        running += 1
+
+
 def start(key: str) -> None:
     """Start ``key``'s command (once): in a session of its own, at idle priority, its output to files."""
     declared = _COMMANDS[key]
+    if key in _QUEUED:
+        _QUEUED.remove(key)
     if declared.process is not None:
         return
     if declared.before is not None:
@@ -89,7 +120,7 @@ def start(key: str) -> None:
 
 
 def outcome(key: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    """Wait for ``key``'s command (started now if it was not) and return its exit code and output.
+    """Wait for ``key``'s command (started now if it was still queued) and return its exit code and output.
 
     Raises:
         TimeoutError: it ran past ``timeout`` seconds from now (it is killed, with its children).
@@ -117,6 +148,7 @@ def _kill(process: subprocess.Popen[bytes]) -> None:
 
 def stop_all() -> None:
     """Kill every command's session (the suite ends: nothing it started stays behind) and remove their files."""
+    _QUEUED.clear()
     for declared in _COMMANDS.values():
         if declared.process is not None:
             _kill(declared.process)

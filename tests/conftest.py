@@ -17,13 +17,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the background commands of the tests that will run, so that they run beside the others."""
+    """Queue the background commands of the tests that will run, in their order, to run beside the others."""
     if session.config.option.collectonly:
         return
     for item in session.items:
         marker = item.get_closest_marker("background")
         if marker is not None:
-            background.start(marker.args[0])
+            background.queue(marker.args[0])
+
+
+def pytest_runtest_logfinish() -> None:
+    """After each test: the next queued background commands, if fewer than their limit run."""
+    background.advance()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
