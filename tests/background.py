@@ -28,7 +28,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["AT_ONCE", "Command", "advance", "command", "outcome", "queue", "start", "stop_all", "workspace"]
+__all__ = [
+    "AT_ONCE", "POOL_TIMEOUT_VARIABLE", "Command", "advance", "command", "outcome", "queue", "start", "stop_all",
+    "workspace",
+]  # fmt: skip
 
 AT_ONCE = 2
 """Commands running at once: enough that one finishing during a long test leaves the core busy."""
@@ -44,6 +47,10 @@ class Command:
     before: Callable[[], None] | None = None
     process: subprocess.Popen[bytes] | None = None
 
+
+POOL_TIMEOUT_VARIABLE = "CONTRASTIVE_DIST_TEST_POOL_TIMEOUT"
+"""Seconds the conftest's worker pools wait in a collective (default 60): a background command that runs
+pytest sets it higher, since its ranks may get no CPU time for a while when the suite is busy."""
 
 _COMMANDS: dict[str, Command] = {}
 _QUEUED: list[str] = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 from collections.abc import Callable, Iterator
 
 import background
@@ -14,6 +16,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "background(key): the test waits for the outcome of the background command key (tests/background.py)"
     )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that wait for a background command come last: their commands get the whole session."""
+    items.sort(key=lambda item: item.get_closest_marker("background") is not None)  # stable: order kept
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -46,9 +53,11 @@ def pool() -> Iterator[Callable[[int], WorkerPool]]:
     def get(world_size: int) -> WorkerPool:
         current = pools.get(world_size)
         if current is None or not current.alive:
-            pools[world_size] = WorkerPool(world_size, timeout=60)
+            timeout = float(os.environ.get(background.POOL_TIMEOUT_VARIABLE, "60"))
+            pools[world_size] = WorkerPool(world_size, timeout=timeout)
         return pools[world_size]
 
     yield get
-    for worker_pool in pools.values():
-        worker_pool.close()
+    # Every pool's workers stop at once (each takes seconds to leave its process group and exit).
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(pools))) as closing:
+        list(closing.map(WorkerPool.close, pools.values()))

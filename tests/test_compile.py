@@ -4,13 +4,21 @@ With ``sizes=`` given the gather takes its traceable route (functional collectiv
 loss, collectives included, is one graph. Compiled with the ``aot_eager`` backend (CPU, no
 C++ toolchain needed); shards are uneven and one rank is empty. Each case resets dynamo, so every
 case is a fresh compilation rather than a cached graph or an eager fallback after a recompile limit.
+
+Compiling takes about two minutes of both cores, and nothing else waits on it: the checks run in a
+pytest process of their own, a background command (``tests/background.py``) started with the
+session; :func:`test_in_a_process_of_its_own` reads its outcome.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
+import background
 import pytest
 import torch
 import torch._dynamo
@@ -115,6 +123,35 @@ def compare_compiled_with_eager(
     return failures, differences
 
 
+_CHILD = "CONTRASTIVE_DIST_COMPILE_CHECKS"
+"""Set in the background process: the checks run there, and only there."""
+IN_CHILD = os.environ.get(_CHILD) == "1"
+
+
+def _checks_command() -> str:
+    """Declare this file's checks in a pytest process of their own, a background command."""
+    root = Path(__file__).resolve().parents[1]
+    # Collectives wait longer there: a rank may get no CPU time for a while when the suite is busy.
+    env = {**os.environ, _CHILD: "1", "PYTHONPATH": str(root), background.POOL_TIMEOUT_VARIABLE: "600"}
+    argv = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "not process_of_its_own"]
+    return background.command("compile checks", argv, cwd=root, env=env)
+
+
+COMPILE_CHECKS = _checks_command()
+
+
+@pytest.mark.skipif(IN_CHILD, reason="this is the checks' own process")
+@pytest.mark.timeout(960)
+@pytest.mark.background(COMPILE_CHECKS)
+def test_in_a_process_of_its_own() -> None:
+    """Every check below, in the pytest process started with the session."""
+    done = background.outcome(COMPILE_CHECKS, timeout=900)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    summary = done.stdout.strip().splitlines()[-1]
+    assert f"{len(GROUPS)} passed" in summary and "skipped" not in summary, done.stdout[-3000:]  # every check ran
+
+
+@pytest.mark.skipif(not IN_CHILD, reason="run by test_in_a_process_of_its_own, in the background")
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_every_loss_compiles_with_fullgraph_and_equals_eager(pool: Callable[[int], WorkerPool], group: str) -> None:
     outcomes = pool(2).run(compare_compiled_with_eager, GROUPS[group], timeout=240)

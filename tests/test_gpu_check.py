@@ -70,13 +70,27 @@ def test_without_cuda_it_says_so_in_one_line_and_exits_0(tmp_path: Path) -> None
     assert not (tmp_path / "out.csv").exists()
 
 
-def test_one_rank_sections_end_to_end_on_cpu_with_every_file_under_out(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, one_thread: None) -> None:
-    monkeypatch.setenv("OUT", str(tmp_path / "out"))
-    assert _module("gpu_check").main(FAST) == 0
-    assert sorted(os.listdir(tmp_path / "out")) == ["gpu_check_1cpu.csv", "gpu_check_1cpu.md",
-                                                    "gpu_check_1cpu_summary.txt"]
-    path = tmp_path / "out" / "gpu_check_1cpu.csv"
+def _one_rank() -> str:
+    """Declare ``python benchmarks/gpu_check.py`` on the CPU, one thread, writing to ``$OUT``: a background
+    command (no time budget: the run may get only the CPU time the rest of the suite leaves)."""
+    key = "gpu_check one rank"
+    environment = {**os.environ, "OUT": str(background.workspace(key) / "out"), "OMP_NUM_THREADS": "1",
+                   "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), *FAST, "--time-budget", "1e9"]
+    return background.command(key, command, cwd=background.workspace(key), env=environment)
+
+
+ONE_RANK = _one_rank()
+
+
+@pytest.mark.timeout(960)
+@pytest.mark.background(ONE_RANK)
+def test_one_rank_sections_end_to_end_on_cpu_with_every_file_under_out() -> None:
+    done = background.outcome(ONE_RANK, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    out = background.workspace(ONE_RANK) / "out"
+    assert sorted(os.listdir(out)) == ["gpu_check_1cpu.csv", "gpu_check_1cpu.md", "gpu_check_1cpu_summary.txt"]
+    path = out / "gpu_check_1cpu.csv"
     rows = _read(path)
     assert list(rows[0]) == list(_module("gpu_check_report").COLUMNS)
     machine = rows[0]
@@ -117,11 +131,11 @@ def test_one_rank_sections_end_to_end_on_cpu_with_every_file_under_out(
     assert anchor[0]["note"].startswith("no ratio: siglip-kernel was not measured")
     assert [row["time_ms"] for row in anchor[1:]] == ["48.80", "54.30"]
     assert all("siglip-kernel 0.1.2 README" in row["note"] and row["batch"] == "65536" for row in anchor[1:])
-    printed = capsys.readouterr().out
+    printed = done.stdout
     assert printed.count("\n1 rank: ") == len(rows) - 1 and f"written to {path}" in printed
     summary = printed[printed.index("== gpu_check summary =="): printed.index("written to")]
     assert len(summary) < _module("gpu_check_summary").LIMIT and "siglip: ours gather bfloat16 @ 48" in summary
-    assert (tmp_path / "out" / "gpu_check_1cpu_summary.txt").read_text() == summary
+    assert (out / "gpu_check_1cpu_summary.txt").read_text() == summary
     # gpu_day.sh prints the summary again from the CSV, last: the same lines.
     again = _module("gpu_check_summary").summary(_module("gpu_check_summary").rows_from_csv(str(path)),
                                                   anchor_batch=65536)
