@@ -54,16 +54,12 @@ pytest sets it higher, since its ranks may get no CPU time for a while when the 
 
 _COMMANDS: dict[str, Command] = {}
 _QUEUED: list[str] = []
-_ROOT: list[Path] = []  # the session's folder for the commands' files, made on first use
-
-
 def workspace(key: str) -> Path:
-    """A folder of ``key``'s own for the session (its output lands there too), removed when the session ends."""
-    if not _ROOT:
-        _ROOT.append(Path(tempfile.mkdtemp(prefix="contrastive_dist_background_")))
-    folder = _ROOT[0] / re.sub(r"[^\w.-]+", "_", key)
-    folder.mkdir(exist_ok=True)
-    return folder
+    """The folder of ``key``'s own for the session (its output lands there too), made when the command starts
+    and removed when the session ends. Only a path until then: the worker processes that import a test
+    module to run its functions compute it too, and make nothing."""
+    session = Path(tempfile.gettempdir()) / f"contrastive_dist_background_{os.getpid()}"
+    return session / re.sub(r"[^\w.-]+", "_", key)
 
 
 def command(
@@ -116,9 +112,11 @@ def start(key: str) -> None:
         _QUEUED.remove(key)
     if declared.process is not None:
         return
+    folder = workspace(key)
+    shutil.rmtree(folder, ignore_errors=True)  # (a folder left by an earlier process of the same number)
+    folder.mkdir(parents=True)
     if declared.before is not None:
         declared.before()
-    folder = workspace(key)
     with open(folder / "stdout", "wb") as stdout, open(folder / "stderr", "wb") as stderr:
         declared.process = subprocess.Popen(
             declared.argv, cwd=declared.cwd, env=declared.env, stdout=stdout, stderr=stderr,
@@ -159,5 +157,4 @@ def stop_all() -> None:
     for declared in _COMMANDS.values():
         if declared.process is not None:
             _kill(declared.process)
-    if _ROOT:
-        shutil.rmtree(_ROOT.pop(), ignore_errors=True)
+    shutil.rmtree(workspace("-").parent, ignore_errors=True)
