@@ -181,13 +181,6 @@ def test_backward_walk_matches_the_autograd_engine(loss: str, chunk: int | None)
 # The losses' epilogues on the CUDA path (bf16 features, half products).
 
 
-KEY_MASKS_EAGER = pytest.mark.xfail(
-    strict=True,
-    reason="SupCon's labels are key masks, which the fused epilogues do not take: its blocks run the eager chain",
-)
-"""A target not met yet: strict, so that the day it is met this mark must go."""
-
-
 REDUCTIONS = ("mean", "none")
 """A loss (its gradient formed with the logits) and per-row losses (recomputed in backward, as in ring mode)."""
 
@@ -202,7 +195,7 @@ def test_epilogue_bytes_per_logit(loss: str, target: float, chunk: int | None, r
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("loss", [pytest.param(n, marks=KEY_MASKS_EAGER) if n == "supcon" else n for n in LOSSES])
+@pytest.mark.parametrize("loss", LOSSES)
 def test_epilogue_launches_per_chunk_visit(loss: str, reduction: str) -> None:
     assert launches_per_chunk_visit(loss, torch.bfloat16, reduction=reduction) <= LAUNCHES_PER_CHUNK_VISIT
 

@@ -246,6 +246,88 @@ def test_sigmoid_block(case: str, dtype: torch.dtype) -> None:
     _close(unweighted, sums, rtol=1e-6, atol=1e-6)
 
 
+KEYED = ["supcon", "supcon_ties", "supcon_transposed", "ids_positive", "ids_mask"]
+"""Blocks with keys (six distinct ones, and one no column has; the last five columns have none):
+SupCon's anchors (positives by label, no positive column; with many logits tied at the maximum; seen
+transposed), sample ids as positives beside the row's positive column, and as pairs left out."""
+
+
+def _keyed(case: str) -> tuple[Block, Targets, dict[str, object]]:
+    """A block, its targets as the eager chain takes them and the ops' key arguments."""
+    block = _block("transposed" if case.endswith("transposed") else "random", seed=2)
+    generator = torch.Generator().manual_seed(3)
+    c, m = block.product.shape
+    if case == "supcon_ties":  # integer products: logits s·P + b tie exactly, at the maximum too
+        block = block._replace(product=(block.product * 2).round())
+    if case.startswith("supcon"):
+        block = block._replace(positive=torch.full((c,), -1))
+    row_keys = torch.randint(0, 6, (c,), generator=generator).float()
+    row_keys[::5] = 99.0  # a key no column has: SupCon's anchor without positives
+    column_keys = torch.randint(0, 6, (m - 5,), generator=generator).float()
+    rule = "mask" if case == "ids_mask" else "positive"
+
+    def located(index: Tensor | None) -> Located | None:
+        if index is None or not bool((index >= 0).any()):
+            return None
+        return Located(index.clamp(0, m - 1)[:, None], index >= 0)
+
+    targets = Targets(located(block.positive), located(block.excluded), row_keys, column_keys, rule)  # type: ignore[arg-type]
+    keys = {"row_keys": row_keys, "column_keys": column_keys, "keys_positive": rule == "positive"}
+    return block, targets, keys
+
+
+def _eager_softmax(block: Block, targets: Targets, weights: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    numerators = block.logits.to(dtype)
+    mask = targets.positive_mask(numerators)
+    state = _softmax.block_state_(numerators, targets, mask)
+    return state, _softmax.gradient_(numerators, state, targets, mask, weights.to(dtype))
+
+
+def _same_state(actual: Tensor, expected: Tensor, rtol: float = 2e-6, atol: float = 1e-7) -> None:
+    """Equal states: the maximum, the whole sum, the positives; and the loss.
+
+    The exact part may differ in what it holds (tied maxima: counted, or one of them exact and the
+    others summed), never in the sum.
+    """
+    for numbers in (lambda s: s[:, 0], lambda s: s[:, 1] + s[:, 2], lambda s: s[:, 3:], _softmax.finish):
+        _close(numbers(actual), numbers(expected), rtol=rtol, atol=atol)
+
+
+@interpreted
+@pytest.mark.parametrize("case", KEYED)
+def test_keys_compared_in_the_kernels(case: str) -> None:
+    """States (one span and several, merged), gradients and SigLIP's terms with keys equal the eager chain."""
+    block, targets, keys = _keyed(case)
+    weights = _weights(block)
+    eager_state, eager_grad = _eager_softmax(block, targets, weights, torch.float32)
+    exact_state, exact_grad = _eager_softmax(block, targets, weights, torch.float64)
+    positive = None if targets.positive is None else block.positive
+    args = (block.product, block.scale, block.bias, positive, block.excluded)
+    assert bool((_softmax.has_positive(exact_state)).any()) and not bool(_softmax.has_positive(exact_state).all())
+    for splits in (1, 3):
+        state = epilogue.softmax_state(*args, splits=splits, **keys)
+        _same_state(state, eager_state)
+        _same_state(state, exact_state, rtol=1e-5, atol=1e-6)
+    fused_grad = torch.empty_like(block.product)
+    fused_state = epilogue.softmax_block(*args, weights, fused_grad, **keys)
+    _same_state(fused_state, eager_state)
+    separate_grad = torch.empty_like(block.product)
+    epilogue.softmax_grad(*args[:3], fused_state, *args[3:], weights, separate_grad, **keys)
+    assert torch.equal(separate_grad, fused_grad)
+    _close(fused_grad, eager_grad)
+    _close(fused_grad, exact_grad, rtol=1e-5, atol=1e-6)
+    margins = block.logits.clone()
+    mask = targets.positive_mask(margins)
+    eager_sums = _sigmoid.block_state_(margins, targets, mask)[:, 0]
+    eager_sigmoid = _sigmoid.gradient_(margins, eager_sums[:, None], targets, mask, weights)
+    for splits in (1, 2):
+        out = torch.empty_like(block.product)
+        sums, grad_sums = epilogue.sigmoid_block(*args, weights, out, splits=splits, **keys)
+        _close(sums, eager_sums, rtol=1e-6, atol=1e-6)
+        _close(out, eager_sigmoid, rtol=1e-6, atol=1e-7)
+        _close(grad_sums, eager_sigmoid.sum(1), rtol=1e-5, atol=1e-5)
+
+
 @interpreted
 def test_gradient_written_in_place() -> None:
     """``grad`` may be the product itself: each program reads its rows before it writes them."""
@@ -325,12 +407,18 @@ def test_available(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 _POINTERS = {"pos_ptr": "*i64", "excl_ptr": "*i64"}
-_OPTIONAL = {"bias_ptr": "HAS_BIAS", "pos_ptr": "HAS_POS", "excl_ptr": "HAS_EXCL", "w_ptr": "HAS_W", "g_ptr": "WRITE_G"}
+_OPTIONAL = {"bias_ptr": "HAS_BIAS", "pos_ptr": "HAS_POS", "excl_ptr": "HAS_EXCL", "w_ptr": "HAS_W", "g_ptr": "WRITE_G",
+             "rk_ptr": "KEY_RULE", "ck_ptr": "KEY_RULE"}  # fmt: skip
+_INPUTS = {  # every optional input (keys as positives, float keys), the fewest, keys that leave pairs out (int64 keys)
+    "every_input": (True, 1, "*fp32"),
+    "fewest_inputs": (False, 0, "*fp32"),
+    "keys_left_out": (True, 2, "*i64"),
+}
 
 
 @outside_interpreter
-@pytest.mark.parametrize("every_input", [True, False], ids=["every_input", "fewest_inputs"])
-def test_kernels_compile_for_cuda(every_input: bool) -> None:
+@pytest.mark.parametrize("inputs", list(_INPUTS))
+def test_kernels_compile_for_cuda(inputs: str) -> None:
     """Each kernel compiles to a cubin for sm_90 (no GPU needed): what the interpreter cannot check.
 
     The absent inputs are ``None`` pointers, as the ops pass them; the divisions are IEEE (``div.rn``).
@@ -342,8 +430,10 @@ def test_kernels_compile_for_cuda(every_input: bool) -> None:
 
     if kernels.triton is None or not Path(kernels.triton.__file__).parent.joinpath("backends", "nvidia").exists():
         pytest.skip("Triton without its NVIDIA backend")
+    every_input, key_rule, key_type = _INPUTS[inputs]
     flags = {"HAS_BIAS": every_input, "HAS_POS": every_input, "HAS_EXCL": every_input, "HAS_W": every_input,
-             "WRITE_G": every_input, "SINGLE": every_input, "ACCUMULATE": every_input, "ACCURATE": True}  # fmt: skip
+             "WRITE_G": every_input, "SINGLE": every_input, "ACCUMULATE": every_input, "ACCURATE": True,
+             "KEY_RULE": key_rule}  # fmt: skip
     tile = {"BR": 8, "BC": 256} if every_input else {"BR": 1, "BC": 2048}  # the widest and the narrowest
     for kernel in (kernels.sigmoid_kernel, kernels.state_kernel, kernels.finish_kernel, kernels.grad_kernel,
                    kernels.block_kernel):  # fmt: skip
@@ -354,6 +444,8 @@ def test_kernels_compile_for_cuda(every_input: bool) -> None:
                 signature[name], constants[name] = "constexpr", flags.get(name, tile.get(name))
             elif _OPTIONAL.get(name) in kernel.arg_names and not flags[_OPTIONAL[name]]:
                 signature[name], constants[name] = "constexpr", None  # an input the op was not given
+            elif name in ("rk_ptr", "ck_ptr"):
+                signature[name] = key_type
             elif name.endswith("_ptr"):
                 signature[name] = _POINTERS.get(name, "*bf16" if name == "g_ptr" else "*fp32")
             else:

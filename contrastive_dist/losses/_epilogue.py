@@ -1,14 +1,15 @@
 """Which epilogue a block takes: a fused Triton op (:mod:`._triton`) or the family's eager chain.
 
 A block's epilogue is everything between its product and the products of its gradient: the
-logits' scale and bias, the rows' state, the logit gradient ``G``. On CUDA, for targets without
-key masks (no ids, no labels) and float32 or bfloat16 features, it is one fused launch that reads
-the raw product ``P = Q Kᵀ`` and writes ``G`` (in bfloat16 for bfloat16 features): 6–10 bytes per
-logit instead of the eager chain's 40–130. Every path takes it: gather mode's gradients formed in
-forward (:mod:`._fused`), the recomputed path of ring mode and per-row losses (:mod:`._recomputed`:
-the states in forward, ``G`` in backward) and SigLIP's ring (:mod:`._sigmoid_ring`). Everything
-else takes the eager chain, which stays the reference: the same numbers to float32 rounding
-(``tests/test_triton_epilogue.py``, ``tests/test_losses_fused_epilogue.py``).
+logits' scale and bias, the rows' state, the logit gradient ``G``. On CUDA, for float32 or bfloat16
+features, it is one fused launch that reads the raw product ``P = Q Kᵀ`` and writes ``G`` (in
+bfloat16 for bfloat16 features): 6–12 bytes per logit instead of the eager chain's 40–130. Keys
+(SupCon's labels, sample ids) take it too: they are compared in the kernel, tile by tile, never
+formed as a mask. Every path takes it: gather mode's gradients formed in forward (:mod:`._fused`),
+the recomputed path of ring mode and per-row losses (:mod:`._recomputed`: the states in forward,
+``G`` in backward) and SigLIP's ring (:mod:`._sigmoid_ring`). Everything else (DCL, a float32 queue
+beside half features, float16) takes the eager chain, which stays the reference: the same numbers
+to float32 rounding (``tests/test_triton_epilogue.py``, ``tests/test_losses_fused_epilogue.py``).
 ``CONTRASTIVE_DIST_EPILOGUE`` chooses (see :data:`._triton.EPILOGUE_VARIABLE`).
 
 float16 features keep the eager chain: their logit gradient, rounded with the row weights folded
@@ -18,6 +19,7 @@ in, needs the power-of-two scaling of :func:`._kernel.accumulate`.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -33,8 +35,8 @@ _EPILOGUE_VARIABLE = "CONTRASTIVE_DIST_EPILOGUE"  # read here too, so that CPU r
 
 def fused(pairs: Pairs, queries: Tensor, keys: Tensor) -> bool:
     """Whether ``pairs``' blocks of ``queries`` against ``keys`` take the fused epilogue."""
-    if pairs.rows.keys is not None or queries.dtype != keys.dtype or pairs.family is DECOUPLED:
-        return False  # key masks, a block held in another dtype (a float32 queue), DCL: the eager chain
+    if queries.dtype != keys.dtype or pairs.family is DECOUPLED:
+        return False  # a block held in another dtype (a float32 queue), DCL: the eager chain
     if queries.dtype not in (torch.float32, torch.bfloat16):
         return False
     if not queries.is_cuda and os.environ.get(_EPILOGUE_VARIABLE) != "triton":
@@ -49,34 +51,62 @@ def raw_product(queries: Tensor, keys: Tensor) -> Tensor:
     return product(queries, keys.T)
 
 
-def row_indices(pairs: Pairs, own_start: int | None) -> tuple[Tensor | None, Tensor | None]:
-    """Every row's positive and excluded column in a block whose own columns start at ``own_start``.
+class Indices(NamedTuple):
+    """A block's rows' targets, as the fused ops take them.
 
-    As the ops take them: ``(n,)`` int64, an entry outside the block (another rank's block, ``None``) is none.
+    Attributes:
+        positive, excluded: ``(c,)`` int64 each row's positive and excluded column (outside the block, or
+            ``None``: none).
+        row_keys: ``(c,)`` the rows' keys, with ``column_keys`` ``(k,)`` those of the block's first ``k``
+            columns; ``None``: no keys.
+        column_keys: see ``row_keys``.
+        keys_positive: pairs that share a key are positives (else they leave the row's candidates).
+    """
+
+    positive: Tensor | None
+    excluded: Tensor | None
+    row_keys: Tensor | None = None
+    column_keys: Tensor | None = None
+    keys_positive: bool = False
+
+    def keys(self) -> dict[str, object]:
+        """The ops' key arguments."""
+        if self.row_keys is None or self.column_keys is None:
+            return {"row_keys": None, "column_keys": None, "keys_positive": self.keys_positive}
+        row_keys, column_keys = self.row_keys.contiguous(), self.column_keys.contiguous()  # (a column that travelled)
+        return {"row_keys": row_keys, "column_keys": column_keys, "keys_positive": self.keys_positive}
+
+
+def row_indices(pairs: Pairs, own_start: int | None, column_keys: Tensor | None = None) -> Indices:
+    """Every row's targets in a block whose own columns start at ``own_start`` and whose keys are ``column_keys``.
+
+    An entry outside the block (another rank's block, ``own_start`` ``None``) is none.
     """
     rows = pairs.rows
-    if own_start is None:
-        return None, None
-    return tuple(None if index is None else index + own_start for index in (rows.positive, rows.excluded))  # type: ignore[return-value]
-
-
-Indices = tuple[Tensor | None, Tensor | None]
-"""A block's rows' positive and excluded columns, as the fused ops take them (``None``: none)."""
+    positive, excluded = (None if index is None or own_start is None else index + own_start
+                          for index in (rows.positive, rows.excluded))  # fmt: skip
+    return Indices(positive, excluded, rows.keys, column_keys, rows.key_rule == "positive")
 
 
 def chunk_of(indices: Indices, start: int, stop: int) -> Indices:
     """The rows ``start:stop`` of :func:`row_indices`."""
-    return tuple(None if index is None else index[start:stop] for index in indices)  # type: ignore[return-value]
+    positive, excluded, row_keys = (None if index is None else index[start:stop] for index in indices[:3])
+    return indices._replace(positive=positive, excluded=excluded, row_keys=row_keys)
 
 
-def column_indices(pairs: Pairs, start: int, own_start: int | None) -> Indices:
-    """Each column's positive among the rows ``start:`` (outside the chunk: none), for the columns' direction.
+def column_indices(pairs: Pairs, start: int, stop: int, own_start: int | None, column_keys: Tensor | None,
+                   columns: int) -> Indices:  # fmt: skip
+    """The targets of a block's first ``columns`` columns against its rows ``start:stop``, for the columns' direction.
 
-    Only this rank's own block (``own_start`` not ``None``) holds columns whose positive is one of its
-    rows; a column excludes no row.
+    Each column's positive is among those rows only in this rank's own block (``own_start`` not
+    ``None``; elsewhere, or outside the chunk: none); a column excludes no row. Keys swap sides.
     """
-    column_positive = pairs.rows.column_positive
-    return (None if column_positive is None or own_start is None else column_positive - start), None
+    rows = pairs.rows
+    column_positive = rows.column_positive
+    positive = None if column_positive is None or own_start is None else column_positive - start
+    row_keys = None if rows.keys is None else rows.keys[start:stop]
+    keys = None if column_keys is None else column_keys[:columns]
+    return Indices(positive, None, keys, row_keys, rows.key_rule == "positive")
 
 
 def grad_buffer(logits: Tensor, queries: Tensor, *, keep: bool) -> Tensor:
@@ -94,7 +124,7 @@ def row_state(
     logits: Tensor,
     scale: Tensor,
     bias: Tensor | None,
-    indices: tuple[Tensor | None, Tensor | None],
+    indices: Indices,
     weights: Tensor | float,
     grad: Tensor | None,
 ) -> tuple[Tensor, Tensor | None]:
@@ -106,14 +136,14 @@ def row_state(
     """
     from contrastive_dist.losses import _triton
 
-    positive, excluded = indices
+    positive, excluded, keys = indices.positive, indices.excluded, indices.keys()
     row_weights = _weights(weights)
     if family is SIGMOID:
-        sums, grad_sums = _triton.sigmoid_block(logits, scale, bias, positive, excluded, row_weights, grad)
+        sums, grad_sums = _triton.sigmoid_block(logits, scale, bias, positive, excluded, row_weights, grad, **keys)
         return sums[:, None], grad_sums if grad is not None else None
     if grad is None:
-        return _triton.softmax_state(logits, scale, bias, positive, excluded), None
-    return _triton.softmax_block(logits, scale, bias, positive, excluded, row_weights, grad), None
+        return _triton.softmax_state(logits, scale, bias, positive, excluded, **keys), None
+    return _triton.softmax_block(logits, scale, bias, positive, excluded, row_weights, grad, **keys), None
 
 
 def gradient(
@@ -122,7 +152,7 @@ def gradient(
     scale: Tensor,
     bias: Tensor | None,
     state: Tensor,
-    indices: tuple[Tensor | None, Tensor | None],
+    indices: Indices,
     weights: Tensor | float,
     grad: Tensor,
     *,
@@ -134,11 +164,12 @@ def gradient(
     """
     from contrastive_dist.losses import _triton
 
-    positive, excluded = indices
+    positive, excluded, keys = indices.positive, indices.excluded, indices.keys()
     row_weights = _weights(weights)
     if family is SIGMOID:  # a row's pair terms need no state; no columns' direction adds onto them
-        return _triton.sigmoid_block(logits, scale, bias, positive, excluded, row_weights, grad)[1]
-    _triton.softmax_grad(logits, scale, bias, state, positive, excluded, row_weights, grad, accumulate=accumulate)
+        return _triton.sigmoid_block(logits, scale, bias, positive, excluded, row_weights, grad, **keys)[1]
+    _triton.softmax_grad(logits, scale, bias, state, positive, excluded, row_weights, grad, accumulate=accumulate,
+                         **keys)  # fmt: skip
     return None
 
 

@@ -77,7 +77,7 @@ class _FusedOneBlock(torch.autograd.Function):
         columns = transport.columns_in(EVERY_RANK, pairs.columns) if pairs.columns is not None else 0
         column_parts: list[Tensor] = []  # the columns' states over each chunk of this rank's rows
         symmetric, whole = pairs.columns is not None, len(spans) == 1
-        row_indices = epilogue.row_indices(pairs, own_start) if fast else (None, None)
+        row_indices = epilogue.row_indices(pairs, own_start, column_keys)
         kept = None
         block: Any = None  # the columns' side of a chunk: (product, their positives) fused, a ColumnBlock eager
 
@@ -96,7 +96,7 @@ class _FusedOneBlock(torch.autograd.Function):
                 logits = epilogue.raw_product(queries[start:stop], block_keys)
                 logit_grad = epilogue.grad_buffer(logits, queries, keep=symmetric) if formed_now else None
                 if symmetric:
-                    block = (logits, epilogue.column_indices(pairs, start, own_start))
+                    block = (logits, epilogue.column_indices(pairs, start, stop, own_start, column_keys, columns))
                     column_parts.append(epilogue.row_state(family, logits[:, :columns].T, scale, bias, block[1],
                                                            1.0, None)[0])  # fmt: skip
                 indices = epilogue.chunk_of(row_indices, start, stop)
@@ -136,7 +136,7 @@ class _FusedOneBlock(torch.autograd.Function):
                     indices = epilogue.chunk_of(row_indices, start, stop)
                     epilogue.gradient(family, logits, scale, bias, row_state[start:stop], indices,
                                       chunk_weights(start, stop), logit_grad)  # fmt: skip
-                    block = (logits, epilogue.column_indices(pairs, start, own_start))
+                    block = (logits, epilogue.column_indices(pairs, start, stop, own_start, column_keys, columns))
                 else:
                     targets = pairs.rows.block(own_start, start, stop, column_keys)
                     logits = block_logits(queries[start:stop], block_keys, scale, bias)

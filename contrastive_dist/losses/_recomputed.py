@@ -133,7 +133,8 @@ class _Recomputed(torch.autograd.Function):
             budget = chunk_budget(queries)
             spans = chunks(queries.shape[0], pairs.chunk, block_keys.shape[0], budget=budget)
             if epilogue.fused(pairs, queries, block_keys):
-                _fused_states(pairs, queries, block_keys, scale, bias, own_start, spans, row_state, column_state)
+                _fused_states(pairs, queries, block_keys, column_keys, scale, bias, own_start, spans, row_state,
+                              column_state)  # fmt: skip
                 return
             for start, stop in spans:
                 logits = block_logits(queries[start:stop], block_keys, scale, bias)
@@ -215,8 +216,9 @@ class _Recomputed(torch.autograd.Function):
             spans = chunks(queries.shape[0], pairs.chunk, block_keys.shape[0], budget=budget)
             if kept is None and epilogue.fused(pairs, queries, block_keys):
                 own_start = transport.own_start_of(owner) if owner != LOCAL else None
-                _fused_gradients(pairs, queries, block_keys, scale, bias, own_start, spans, row_state, row_grad,
-                                 columns_here, grads, key_grad)  # fmt: skip
+                column_keys = block[1] if len(block) > 1 else None
+                _fused_gradients(pairs, queries, block_keys, column_keys, scale, bias, own_start, spans, row_state,
+                                 row_grad, columns_here, grads, key_grad)  # fmt: skip
                 return
             for (start, stop), part in zip(spans, parts, strict=True):
                 chunk_state = row_state[start:stop]
@@ -250,21 +252,21 @@ class _Recomputed(torch.autograd.Function):
 
 
 def _fused_states(
-    pairs: Pairs, queries: Tensor, block_keys: Tensor, scale: Tensor, bias: Tensor | None, own_start: int | None,
-    spans: list[tuple[int, int]], row_state: Tensor, column_state: Tensor | None,
+    pairs: Pairs, queries: Tensor, block_keys: Tensor, column_keys: Tensor | None, scale: Tensor, bias: Tensor | None,
+    own_start: int | None, spans: list[tuple[int, int]], row_state: Tensor, column_state: Tensor | None,
 ) -> None:  # fmt: skip
     """One block's states on the fused epilogue, merged into the rows' (and the columns') running states.
 
     Each chunk's raw product gives its rows' state and its columns' partial state, one launch each;
     both are merged once per block (a merge is a dozen small launches).
     """
-    family, row_indices = pairs.family, epilogue.row_indices(pairs, own_start)
+    family, row_indices = pairs.family, epilogue.row_indices(pairs, own_start, column_keys)
     columns = 0 if column_state is None else column_state.shape[0]
     row_parts, column_parts = [], []
     for start, stop in spans:
         product = epilogue.raw_product(queries[start:stop], block_keys)
         if columns:
-            indices = epilogue.column_indices(pairs, start, own_start)
+            indices = epilogue.column_indices(pairs, start, stop, own_start, column_keys, columns)
             column_parts.append(epilogue.row_state(family, product[:, :columns].T, scale, bias, indices, 1.0, None)[0])
         indices = epilogue.chunk_of(row_indices, start, stop)
         row_parts.append(epilogue.row_state(family, product, scale, bias, indices, 1.0, None)[0])
@@ -275,16 +277,16 @@ def _fused_states(
 
 
 def _fused_gradients(
-    pairs: Pairs, queries: Tensor, block_keys: Tensor, scale: Tensor, bias: Tensor | None, own_start: int | None,
-    spans: list[tuple[int, int]], row_state: Tensor, row_grad: Tensor, columns_here: Tensor | None, grads: Grads,
-    key_grad: Tensor | None,
+    pairs: Pairs, queries: Tensor, block_keys: Tensor, column_keys: Tensor | None, scale: Tensor, bias: Tensor | None,
+    own_start: int | None, spans: list[tuple[int, int]], row_state: Tensor, row_grad: Tensor,
+    columns_here: Tensor | None, grads: Grads, key_grad: Tensor | None,
 ) -> None:  # fmt: skip
     """One block's gradients on the fused epilogue, then its products.
 
     Each chunk's raw product again; ``G`` of its rows (and of the columns, added on) in one launch
     each, from their final states, the upstream gradients as row weights.
     """
-    family, row_indices = pairs.family, epilogue.row_indices(pairs, own_start)
+    family, row_indices = pairs.family, epilogue.row_indices(pairs, own_start, column_keys)
     columns = 0 if columns_here is None else columns_here.shape[0]
     if columns_here is not None and columns:  # the columns' final states and upstream gradients, travelling
         column_state, upstream = columns_here[:, :-1].contiguous(), columns_here[:, -1].to(torch.float32)
@@ -295,7 +297,7 @@ def _fused_gradients(
         grad_sums = epilogue.gradient(family, product, scale, bias, row_state[start:stop], indices,
                                       row_grad[start:stop], logit_grad)  # fmt: skip
         if columns:
-            indices = epilogue.column_indices(pairs, start, own_start)
+            indices = epilogue.column_indices(pairs, start, stop, own_start, column_keys, columns)
             epilogue.gradient(family, product[:, :columns].T, scale, bias, column_state, indices, upstream,
                               logit_grad[:, :columns].T, accumulate=True)  # fmt: skip
         bias_sum = None if grad_sums is None else grad_sums.sum()

@@ -71,7 +71,7 @@ class _SigmoidRing(torch.autograd.Function):
                 return
             own_start = transport.own_start_of(owner)
             fast = epilogue.fused(pairs, queries, block_keys)
-            row_indices = epilogue.row_indices(pairs, own_start) if fast else (None, None)
+            row_indices = epilogue.row_indices(pairs, own_start, column_keys)
             for start, stop in chunks(queries.shape[0], pairs.chunk, block_keys.shape[0], budget=budget):
                 row_weights = 1.0 if weights is None else weights[start:stop]
                 if fast:  # one launch: the rows' sums and G (the fused epilogue reads the raw product)

@@ -4,22 +4,27 @@ Each op reads the raw product ``P = Q Kᵀ`` of a block (``(c, m)`` float32, any
 direction seen transposed is passed as ``P.T``), a 0-d float32 ``scale`` and an optional 0-d
 ``bias`` (device tensors, so nothing waits on the host), and forms the logits ``l = s · P (+ b)``
 inside the kernel. A row's targets are ``positive`` (``(c,)`` int64, its positive column, ``-1`` or
-any index outside ``[0, m)``: none in this block) and ``excluded`` (the same, a column whose logit
-is ``-inf``); key masks (ids, labels) stay on the eager path. The formulas are those of
+any index outside ``[0, m)``: none in this block), ``excluded`` (the same, a column whose logit
+is ``-inf``) and, with keys (labels, ids), ``row_keys`` (``(c,)``) against ``column_keys`` (``(k,)``,
+the block's first ``k ≤ m`` columns; the others have none), compared in the kernel, never formed as
+a mask: with ``keys_positive`` every pair that shares a key is a positive (its excluded column
+excepted; SupCon's anchors, without a positive column, keep the maxima's terms exact by counting
+them), otherwise such pairs leave the row's candidates, its positive excepted. The formulas are those of
 :mod:`._softmax` and :mod:`._sigmoid`, which remain the reference and the fallback; every op is one
 ``torch.library.custom_op`` (with a fake implementation), so it is one node to ``torch.compile``::
 
-    sigmoid_block(product, scale, bias, positive, excluded, weights, grad, splits=0) -> (sums, grad_sums)
+    sigmoid_block(product, scale, bias, positive, excluded, weights, grad, splits=0, *keys) -> (sums, grad_sums)
         sums (c,) Σ_j softplus(−z·l_ij); with grad (c, m) given: grad ← G = −z·σ(−z·l)·w (the
         unweighted G when weights is None) and grad_sums (c,) Σ_j G_ij (else zeros).
-    softmax_state(product, scale, bias, positive, excluded, splits=0) -> state
+    softmax_state(product, scale, bias, positive, excluded, splits=0, *keys) -> state
         state (c, 5) float32: m, rest, exact, pos_sum, pos_count, as _softmax.block_state_.
-    softmax_grad(product, scale, bias, state, positive, excluded, weights, grad, accumulate=False) -> None
+    softmax_grad(product, scale, bias, state, positive, excluded, weights, grad, accumulate=False, *keys) -> None
         grad ← (or += with accumulate) w·(p − t) from the rows' final state (merged over blocks),
         the positive's entry without cancellation, as _softmax.gradient_; rows without positive: 0.
-    softmax_block(product, scale, bias, positive, excluded, weights, grad) -> state
+    softmax_block(product, scale, bias, positive, excluded, weights, grad, *keys) -> state
         softmax_state then softmax_grad in one launch (gather mode: each row complete in this block).
 
+``*keys``: ``row_keys=None, column_keys=None, keys_positive=False``.
 ``grad``: ``(c, m)``, float32 / bf16 / fp16, any strides (the half dtypes hold the unweighted G:
 apply the row weights after the product, where fp16 cannot underflow); ``weights``: ``(c,)`` float32
 or ``None`` (1). ``grad`` may be ``product`` itself (float32) in ``sigmoid_block`` and
@@ -99,14 +104,18 @@ def sigmoid_block(
     weights: Tensor | None,
     grad: Tensor | None,
     splits: int = 0,
+    row_keys: Tensor | None = None,
+    column_keys: Tensor | None = None,
+    keys_positive: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """SigLIP's pair terms of one block: the rows' sums and, into ``grad``, their logit gradient.
 
     Shape:
-        product, grad: ``(c, m)``; scale, bias: ``()``; positive, excluded, weights: ``(c,)``;
-        outputs: ``(c,)``, ``(c,)``.
+        product, grad: ``(c, m)``; scale, bias: ``()``; positive, excluded, weights, row_keys: ``(c,)``;
+        column_keys: ``(k,)``, ``k ≤ m``; outputs: ``(c,)``, ``(c,)``.
     """
-    launch.check(product, scale, bias, {"positive": positive, "excluded": excluded, "weights": weights, "grad": grad})
+    launch.check(product, scale, bias, {"positive": positive, "excluded": excluded, "weights": weights, "grad": grad},
+                 row_keys, column_keys)  # fmt: skip
     rows, columns = product.shape
     if not (rows and columns):
         return product.new_zeros(rows), product.new_zeros(rows)
@@ -117,30 +126,33 @@ def sigmoid_block(
     g_strides = grad.stride() if grad is not None else (0, 0)
     with launch.on(product):
         kernels.sigmoid_kernel[(math.ceil(rows / tile_rows), splits)](
-            product, *product.stride(), scale, bias, positive, excluded, weights,
-            grad, *g_strides, sums, grad_sums, rows, columns, span,
-            **launch.flags(bias, positive, excluded), HAS_W=weights is not None, WRITE_G=grad is not None,
+            product, *product.stride(), scale, bias, positive, excluded, *launch.keys(row_keys, column_keys),
+            weights, grad, *g_strides, sums, grad_sums, rows, columns, span,
+            **launch.flags(bias, positive, excluded, row_keys, column_keys, keys_positive),
+            HAS_W=weights is not None, WRITE_G=grad is not None,
             BR=tile_rows, BC=tile_columns, ACCURATE=not launch.interpreting(),
         )  # fmt: skip
     return (sums[0], grad_sums[0]) if splits == 1 else (sums.sum(0), grad_sums.sum(0))
 
 
 @sigmoid_block.register_fake
-def _(product, scale, bias, positive, excluded, weights, grad, splits=0):  # type: ignore[no-untyped-def]
+def _(product, scale, bias, positive, excluded, weights, grad, splits=0, row_keys=None, column_keys=None,  # type: ignore[no-untyped-def]
+      keys_positive=False):
     return product.new_empty(product.shape[0]), product.new_empty(product.shape[0])
 
 
 @torch.library.custom_op("contrastive_dist::softmax_state", mutates_args=())
 def softmax_state(
     product: Tensor, scale: Tensor, bias: Tensor | None, positive: Tensor | None, excluded: Tensor | None,
-    splits: int = 0,
+    splits: int = 0, row_keys: Tensor | None = None, column_keys: Tensor | None = None, keys_positive: bool = False,
 ) -> Tensor:  # fmt: skip
-    """The softmax rows' state over one block (``_softmax.block_state_`` with one positive per row).
+    """The softmax rows' state over one block (``_softmax.block_state_``).
 
     Shape:
-        product: ``(c, m)``; scale, bias: ``()``; positive, excluded: ``(c,)``; output: ``(c, 5)``.
+        product: ``(c, m)``; scale, bias: ``()``; positive, excluded, row_keys: ``(c,)``; column_keys:
+        ``(k,)``; output: ``(c, 5)``.
     """
-    launch.check(product, scale, bias, {"positive": positive, "excluded": excluded})
+    launch.check(product, scale, bias, {"positive": positive, "excluded": excluded}, row_keys, column_keys)
     rows, columns = product.shape
     splits, span = launch.span(product, splits)
     state = product.new_empty((rows, 5))
@@ -148,23 +160,26 @@ def softmax_state(
     if not rows:
         return state
     grid = (math.ceil(rows / tile_rows), splits)
-    targets = launch.flags(bias, positive, excluded)
+    targets = launch.flags(bias, positive, excluded, row_keys, column_keys, keys_positive)
     with launch.on(product):
-        out = state if splits == 1 else product.new_empty((splits, rows, 3))
+        out = state if splits == 1 else product.new_empty((splits, rows, 5))
         kernels.state_kernel[grid](
-            product, *product.stride(), scale, bias, positive, excluded, out, rows, columns, span,
+            product, *product.stride(), scale, bias, positive, excluded, *launch.keys(row_keys, column_keys), out,
+            rows, columns, span,
             **targets, SINGLE=splits == 1, BR=tile_rows, BC=tile_columns, ACCURATE=not launch.interpreting(),
         )  # fmt: skip
         if splits > 1:
             kernels.finish_kernel[grid[:1]](
                 out, splits, positive, excluded, state, rows, columns, HAS_POS=targets["HAS_POS"],
-                HAS_EXCL=targets["HAS_EXCL"], BR=tile_rows, ACCURATE=not launch.interpreting(),
+                HAS_EXCL=targets["HAS_EXCL"], KEY_RULE=targets["KEY_RULE"], BR=tile_rows,
+                ACCURATE=not launch.interpreting(),
             )  # fmt: skip
     return state
 
 
 @softmax_state.register_fake
-def _(product, scale, bias, positive, excluded, splits=0):  # type: ignore[no-untyped-def]
+def _(product, scale, bias, positive, excluded, splits=0, row_keys=None, column_keys=None,  # type: ignore[no-untyped-def]
+      keys_positive=False):
     return product.new_empty((product.shape[0], 5))
 
 
@@ -172,42 +187,49 @@ def _(product, scale, bias, positive, excluded, splits=0):  # type: ignore[no-un
 def softmax_grad(
     product: Tensor, scale: Tensor, bias: Tensor | None, state: Tensor, positive: Tensor | None,
     excluded: Tensor | None, weights: Tensor | None, grad: Tensor, accumulate: bool = False,
+    row_keys: Tensor | None = None, column_keys: Tensor | None = None, keys_positive: bool = False,
 ) -> None:  # fmt: skip
     """``grad`` ← (``+=`` with ``accumulate``) the softmax gradient of one block from the rows' final state.
 
     Shape:
-        product, grad: ``(c, m)``; scale, bias: ``()``; state: ``(c, 5)``; positive, excluded, weights: ``(c,)``.
+        product, grad: ``(c, m)``; scale, bias: ``()``; state: ``(c, 5)``; positive, excluded, weights,
+        row_keys: ``(c,)``; column_keys: ``(k,)``.
     """
     launch.check(product, scale, bias, {"positive": positive, "excluded": excluded, "weights": weights,
-                                  "state": state, "grad": grad})  # fmt: skip
+                                        "state": state, "grad": grad}, row_keys, column_keys)  # fmt: skip
     rows, columns = product.shape
     tile_rows, tile_columns = launch.tile(product)
     if not (rows and columns):
         return
     with launch.on(product):
         kernels.grad_kernel[(math.ceil(rows / tile_rows), math.ceil(columns / tile_columns))](
-            product, *product.stride(), scale, bias, state, positive, excluded, weights,
-            grad, *grad.stride(), rows, columns, **launch.flags(bias, positive, excluded), HAS_W=weights is not None,
+            product, *product.stride(), scale, bias, state, positive, excluded, *launch.keys(row_keys, column_keys),
+            weights, grad, *grad.stride(), rows, columns,
+            **launch.flags(bias, positive, excluded, row_keys, column_keys, keys_positive), HAS_W=weights is not None,
             ACCUMULATE=accumulate, BR=tile_rows, BC=tile_columns, ACCURATE=not launch.interpreting(),
         )  # fmt: skip
 
 
 @softmax_grad.register_fake
-def _(product, scale, bias, state, positive, excluded, weights, grad, accumulate=False):  # type: ignore[no-untyped-def]
+def _(product, scale, bias, state, positive, excluded, weights, grad, accumulate=False,  # type: ignore[no-untyped-def]
+      row_keys=None, column_keys=None, keys_positive=False):
     return None
 
 
 @torch.library.custom_op("contrastive_dist::softmax_block", mutates_args=("grad",))
 def softmax_block(
     product: Tensor, scale: Tensor, bias: Tensor | None, positive: Tensor | None, excluded: Tensor | None,
-    weights: Tensor | None, grad: Tensor,
+    weights: Tensor | None, grad: Tensor, row_keys: Tensor | None = None, column_keys: Tensor | None = None,
+    keys_positive: bool = False,
 ) -> Tensor:  # fmt: skip
     """:func:`softmax_state` and :func:`softmax_grad` of a block that holds its rows' every column, one launch.
 
     Shape:
-        product, grad: ``(c, m)``; scale, bias: ``()``; positive, excluded, weights: ``(c,)``; output: ``(c, 5)``.
+        product, grad: ``(c, m)``; scale, bias: ``()``; positive, excluded, weights, row_keys: ``(c,)``;
+        column_keys: ``(k,)``; output: ``(c, 5)``.
     """
-    launch.check(product, scale, bias, {"positive": positive, "excluded": excluded, "weights": weights, "grad": grad})
+    launch.check(product, scale, bias, {"positive": positive, "excluded": excluded, "weights": weights, "grad": grad},
+                 row_keys, column_keys)  # fmt: skip
     rows, columns = product.shape
     state = product.new_empty((rows, 5))
     tile_rows, tile_columns = launch.tile(product, whole_rows=True)
@@ -215,15 +237,17 @@ def softmax_block(
         return state
     with launch.on(product):
         kernels.block_kernel[(math.ceil(rows / tile_rows),)](
-            product, *product.stride(), scale, bias, positive, excluded, weights, state,
-            grad, *grad.stride(), rows, columns, **launch.flags(bias, positive, excluded), HAS_W=weights is not None,
+            product, *product.stride(), scale, bias, positive, excluded, *launch.keys(row_keys, column_keys),
+            weights, state, grad, *grad.stride(), rows, columns,
+            **launch.flags(bias, positive, excluded, row_keys, column_keys, keys_positive), HAS_W=weights is not None,
             BR=tile_rows, BC=tile_columns, ACCURATE=not launch.interpreting(),
         )  # fmt: skip
     return state
 
 
 @softmax_block.register_fake
-def _(product, scale, bias, positive, excluded, weights, grad):  # type: ignore[no-untyped-def]
+def _(product, scale, bias, positive, excluded, weights, grad, row_keys=None, column_keys=None,  # type: ignore[no-untyped-def]
+      keys_positive=False):
     return product.new_empty((product.shape[0], 5))
 
 
@@ -238,7 +262,7 @@ def traffic(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
 
     For a dispatch-mode counter: ``op`` is the op (or its name) as the mode sees it, ``args`` and
     ``kwargs`` its arguments (meta or fake tensors do); the table of the module docstring, plus the
-    per-row reads and writes. Column spans' partial sums (``O(c)``) are left out.
+    per-row reads and writes (and the columns' keys). Column spans' partial sums (``O(c)``) are left out.
 
     Example:
         >>> import torch
@@ -256,7 +280,7 @@ def traffic(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
     moved = _PASSES[name] * product.numel() * product.element_size() + _STATE_WRITTEN[name] * rows
     if grad is not None:
         moved += grad.numel() * grad.element_size() * (2 if bound.get("accumulate") else 1)
-    for row_input in ("positive", "excluded", "weights", "state"):
+    for row_input in ("positive", "excluded", "weights", "state", "row_keys", "column_keys"):
         if bound.get(row_input) is not None:
             moved += bound[row_input].numel() * bound[row_input].element_size()
     return int(moved)

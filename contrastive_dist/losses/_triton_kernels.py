@@ -2,7 +2,9 @@
 
 Every kernel reads the product ``P`` of a block (``c × m`` float32, any strides) and forms the
 logits ``l = s · P (+ b)`` itself, tile by tile (``BR`` rows × ``BC`` columns); the rows' targets
-are a positive column and an excluded column per row (``-1``: none). The formulas are those of
+are a positive column and an excluded column per row (``-1``: none) and, with keys (labels, ids), the
+pairs whose row and column keys are equal, compared in the tile (``KEY_RULE``: 1, they are positives;
+2, they leave the row's candidates, its positive excepted; 0, no keys). The formulas are those of
 :mod:`._softmax` and :mod:`._sigmoid`, term for term; the shared pieces are written once here as
 ``@triton.jit`` helpers. Importable without Triton (the kernels are then absent).
 """
@@ -29,6 +31,7 @@ sigmoid_kernel: Any = None
 state_kernel: Any = None
 
 if triton is not None:
+    _NO_KEYS, _KEYS_POSITIVE, _KEYS_MASKED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # KEY_RULE
     _NO_CANDIDATE = tl.constexpr(-0.5 * MASKED)  # a row maximum below this: no candidate (see _targets.MASKED)
     _TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny, as _softmax clamps by
 
@@ -81,48 +84,99 @@ if triton is not None:
         return scale, bias
 
     @triton.jit
-    def _candidates(logits, cols, col_ok, excl):
-        """The tile's candidates' logits: the excluded column and the columns past the block are -inf."""
-        return tl.where(col_ok[None, :] & (cols[None, :] != excl[:, None]), logits, float("-inf"))
+    def _row_keys(rk_ptr, rows, row_ok, KEY_RULE: tl.constexpr):
+        """The rows' keys (0 without keys: never compared)."""
+        if KEY_RULE != _NO_KEYS:
+            return tl.load(rk_ptr + rows, mask=row_ok, other=0)
+        else:
+            return tl.zeros(rows.shape, tl.int64)
+
+    @triton.jit
+    def _tile_targets(rows, cols, col_ok, pos, excl, row_keys, ck_ptr, keyed, KEY_RULE: tl.constexpr):
+        """``(at_positive, by_key, left_out)`` of one tile, each ``(BR, BC)``.
+
+        ``at_positive``: the row's positive column; ``by_key``: its positives by key (KEY_RULE 1: the
+        pairs that share its key, its excluded column excepted; else none); ``left_out``: no candidate
+        (its excluded column, the columns past the block and, KEY_RULE 2, the pairs that share its key
+        but its positive). The block's columns past ``keyed`` have no key.
+        """
+        at_positive = cols[None, :] == pos[:, None]
+        excluded = cols[None, :] == excl[:, None]
+        left_out = excluded | ~col_ok[None, :]
+        by_key = (rows[:, None] < 0) & (cols[None, :] < 0)  # none
+        if KEY_RULE != _NO_KEYS:
+            keyed_here = col_ok & (cols < keyed)
+            column_keys = tl.load(ck_ptr + cols, mask=keyed_here, other=0)
+            same = (row_keys[:, None] == column_keys[None, :]) & keyed_here[None, :]
+            if KEY_RULE == _KEYS_POSITIVE:
+                by_key = same & ~excluded
+            else:
+                left_out = left_out | (same & ~at_positive)
+        return at_positive, by_key, left_out
 
     @triton.jit
     def _finite(row_max):
         return tl.where(row_max == float("-inf"), 0.0, row_max)
 
     @triton.jit
-    def _stats(p_ptr, stride_r, stride_c, rows, row_ok, begin, end, scale, bias, pos, excl,
-               HAS_BIAS: tl.constexpr, BC: tl.constexpr, ACCURATE: tl.constexpr):
-        """Online over columns ``[begin, end)``: the maximum, Σ exp(l − max) and the positive's logit.
+    def _stats(p_ptr, stride_r, stride_c, rows, row_ok, begin, end, scale, bias, pos, excl, row_keys, ck_ptr, keyed,
+               HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, KEY_RULE: tl.constexpr, BC: tl.constexpr,
+               ACCURATE: tl.constexpr):
+        """Online over columns ``[begin, end)``: the maximum, Σ exp(l − max), the exact part and the positives.
 
-        The sum runs over the candidates but the positive (its term is kept exactly, from its logit);
-        the positive's logit is 0 where it is not in the span.
+        Returns ``(max, rest, exact, key_sum, key_count)``. With a positive column (HAS_POS) the sum
+        runs over the candidates but the positive, and ``exact`` is its logit (0 where it is not in the
+        span), its term kept exactly; with positives by key and no positive column (SupCon's anchors),
+        ``exact`` counts the candidates equal to the maximum (each term exactly 1), left out of the
+        sum. ``key_sum``, ``key_count``: the positives by key's logits and number (KEY_RULE 1).
         """
         row_max = tl.full(rows.shape, float("-inf"), tl.float32)
         rest = tl.zeros(rows.shape, tl.float32)
-        positive = tl.zeros(rows.shape, tl.float32)
+        exact = tl.zeros(rows.shape, tl.float32)
+        key_sum = tl.zeros(rows.shape, tl.float32)
+        key_count = tl.zeros(rows.shape, tl.float32)
         for start in range(begin, end, BC):
             cols = start + tl.arange(0, BC)
             col_ok = cols < end
             logits = _logits(p_ptr, rows, cols, stride_r, stride_c, row_ok, col_ok, scale, bias, HAS_BIAS)
-            at_positive = cols[None, :] == pos[:, None]
-            # Before the exclusion, as _softmax reads it; exactly one tile holds it: the sum adds zeros.
-            positive += tl.sum(tl.where(at_positive, logits, 0.0), axis=1)
-            candidates = _candidates(logits, cols, col_ok, excl)
+            at_positive, by_key, left_out = _tile_targets(rows, cols, col_ok, pos, excl, row_keys, ck_ptr, keyed,
+                                                          KEY_RULE)
+            if KEY_RULE == _KEYS_POSITIVE:  # before the exclusion, as _softmax reads them
+                key_sum += tl.sum(tl.where(by_key, logits, 0.0), axis=1)
+                key_count += tl.sum(by_key.to(tl.float32), axis=1)
+            candidates = tl.where(left_out, float("-inf"), logits)
             new_max = tl.maximum(row_max, tl.max(candidates, axis=1))
             shift = _finite(new_max)
-            terms = tl.where(at_positive, 0.0, _exp(candidates - shift[:, None], ACCURATE))
-            rest = rest * _exp(row_max - shift, ACCURATE) + tl.sum(terms, axis=1)
+            terms = _exp(candidates - shift[:, None], ACCURATE)
+            factor = _exp(row_max - shift, ACCURATE)
+            if HAS_POS or KEY_RULE != _KEYS_POSITIVE:
+                # Before the exclusion, as _softmax reads it; exactly one tile holds it: the sum adds zeros.
+                exact += tl.sum(tl.where(at_positive, logits, 0.0), axis=1)
+                terms = tl.where(at_positive, 0.0, terms)
+                rest = rest * factor + tl.sum(terms, axis=1)
+            else:
+                at_max = (candidates == new_max[:, None]) & (new_max > float("-inf"))[:, None]
+                grew = new_max > row_max  # the maxima counted so far move into the sum, scaled
+                terms = tl.where(at_max, 0.0, terms)
+                rest = rest * factor + tl.where(grew, exact * factor, 0.0) + tl.sum(terms, axis=1)
+                exact = tl.where(grew, 0.0, exact) + tl.sum(at_max.to(tl.float32), axis=1)
             row_max = new_max
-        return row_max, rest, positive
+        return row_max, rest, exact, key_sum, key_count
 
     @triton.jit
-    def _finish(row_max, rest, positive, pos, excl, ACCURATE: tl.constexpr):
-        """The five numbers of _softmax.block_state_ from a row's maximum, rest and positive logit."""
+    def _finish(row_max, rest, exact, key_sum, key_count, pos, excl, HAS_POS: tl.constexpr,
+                KEY_RULE: tl.constexpr, ACCURATE: tl.constexpr):
+        """The five numbers of _softmax.block_state_ from :func:`_stats`' (merged over spans)."""
         row_max = tl.where(row_max < _NO_CANDIDATE, float("-inf"), row_max)
         rest = tl.where(row_max == float("-inf"), 0.0, rest)
-        present = pos >= 0
-        own = tl.where(present & (pos != excl), _exp(positive - _finite(row_max), ACCURATE), 0.0)
-        return row_max, rest, own, tl.where(present, positive, 0.0), present.to(tl.float32)
+        if HAS_POS or KEY_RULE != _KEYS_POSITIVE:  # exact: the positive's logit, its term formed now
+            present = pos >= 0
+            positive = exact
+            exact = tl.where(present & (pos != excl), _exp(positive - _finite(row_max), ACCURATE), 0.0)
+            if KEY_RULE != _KEYS_POSITIVE:  # the positive column is the row's one positive
+                key_sum = tl.where(present, positive, 0.0)
+                key_count = present.to(tl.float32)
+        return row_max, rest, exact, key_sum, key_count
 
     @triton.jit
     def _store_state(state_ptr, rows, row_ok, row_max, rest, exact, pos_sum, pos_count):
@@ -141,17 +195,25 @@ if triton is not None:
         return tl.where(pos_count > 0, weights, 0.0)
 
     @triton.jit
-    def _softmax_grad_tile(logits, cols, col_ok, pos, excl, row_max, rest, exact, live, ACCURATE: tl.constexpr):
-        """``live · (p − t)`` of one tile; the positive's entry is −live (rest + (exact − own)) / Σ, as in gradient_."""
-        numerators = _exp(_candidates(logits, cols, col_ok, excl) - _finite(row_max)[:, None], ACCURATE)
-        at_positive = cols[None, :] == pos[:, None]
-        # The positive's own numerator from this tile: only the tile holding it writes its entry.
-        own = tl.sum(tl.where(at_positive, numerators, 0.0), axis=1)
+    def _softmax_grad_tile(logits, at_positive, by_key, left_out, row_max, rest, exact, pos_count, live,
+                           KEY_RULE: tl.constexpr, ACCURATE: tl.constexpr):
+        """``live · (p − t)`` of one tile, as in gradient_.
+
+        A positive column's entry is −live (rest + (exact − own)) / Σ, without cancellation; positives by
+        key (KEY_RULE 1) take ``live · p − live / count`` each.
+        """
+        numerators = _exp(tl.where(left_out, float("-inf"), logits) - _finite(row_max)[:, None], ACCURATE)
         total = tl.maximum(rest + exact, _TINY)
         # IEEE divisions (div_rn), as the eager chain's: `/` is the approximate div.full on NVIDIA.
         softmax_weight = tl.math.div_rn(live, total)
-        entry = tl.math.div_rn(-live * (rest + (exact - own)), total)
-        return tl.where(at_positive, entry[:, None], numerators * softmax_weight[:, None])
+        if KEY_RULE == _KEYS_POSITIVE:
+            per_positive = tl.math.div_rn(live, tl.maximum(pos_count, 1.0))
+            return numerators * softmax_weight[:, None] - tl.where(by_key, per_positive[:, None], 0.0)
+        else:
+            # The positive's own numerator from this tile: only the tile holding it writes its entry.
+            own = tl.sum(tl.where(at_positive, numerators, 0.0), axis=1)
+            entry = tl.math.div_rn(-live * (rest + (exact - own)), total)
+            return tl.where(at_positive, entry[:, None], numerators * softmax_weight[:, None])
 
     @triton.jit
     def _store_grad(g_ptr, stride_r, stride_c, rows, cols, row_ok, col_ok, grad, ACCUMULATE: tl.constexpr):
@@ -162,10 +224,11 @@ if triton is not None:
         tl.store(g_ptr + offsets, grad.to(g_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def sigmoid_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, pos_ptr, excl_ptr, w_ptr,
-                       g_ptr, g_stride_r, g_stride_c, sums_ptr, grad_sums_ptr, c, m, span,
-                       HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, HAS_W: tl.constexpr,
-                       WRITE_G: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, ACCURATE: tl.constexpr):
+    def sigmoid_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, pos_ptr, excl_ptr, rk_ptr, ck_ptr, keyed,
+                       w_ptr, g_ptr, g_stride_r, g_stride_c, sums_ptr, grad_sums_ptr, c, m, span,
+                       HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr,
+                       HAS_W: tl.constexpr, WRITE_G: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                       ACCURATE: tl.constexpr):
         """Rows' Σ softplus(−z·l) over one span of columns and, with WRITE_G, G = −z·σ(−z·l)·w and its row sums."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         row_ok = rows < c
@@ -173,6 +236,7 @@ if triton is not None:
         end = tl.minimum(begin + span, m)
         scale, bias = _scalars(scale_ptr, bias_ptr, HAS_BIAS)
         pos, excl = _row_targets(pos_ptr, excl_ptr, rows, row_ok, m, HAS_POS, HAS_EXCL)
+        row_keys = _row_keys(rk_ptr, rows, row_ok, KEY_RULE)
         weights = tl.full(rows.shape, 1.0, tl.float32)
         if HAS_W:
             weights = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
@@ -182,10 +246,12 @@ if triton is not None:
             cols = start + tl.arange(0, BC)
             col_ok = cols < end
             logits = _logits(p_ptr, rows, cols, stride_r, stride_c, row_ok, col_ok, scale, bias, HAS_BIAS)
-            at_positive = cols[None, :] == pos[:, None]
-            # The margins −z·l; the excluded pair and the columns past the span are no term (-inf).
-            margins = _candidates(tl.where(at_positive, -logits, logits), cols, col_ok, excl)
-            margins = tl.where(row_ok[:, None], margins, float("-inf"))
+            at_positive, by_key, left_out = _tile_targets(rows, cols, col_ok, pos, excl, row_keys, ck_ptr, keyed,
+                                                          KEY_RULE)
+            if KEY_RULE == _KEYS_POSITIVE:  # every pair that shares the row's key is a positive, its own among them
+                at_positive = by_key
+            # The margins −z·l; the pairs left out and the columns past the span are no term (-inf).
+            margins = tl.where(left_out | ~row_ok[:, None], float("-inf"), tl.where(at_positive, -logits, logits))
             # One exponential serves both: e = exp(−|x|) ∈ [0, 1] never overflows. softplus(x) =
             # max(x, 0) + log1p(e) (F.softplus's value, which takes log1p(exp(x)) up to x = 20, then x:
             # the same to rounding), and σ(x) = (1 or e) / (1 + e), precise for x ≪ 0 too.
@@ -201,12 +267,13 @@ if triton is not None:
         tl.store(grad_sums_ptr + slot, grad_sums, mask=row_ok)
 
     @triton.jit
-    def state_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, pos_ptr, excl_ptr, out_ptr, c, m, span,
-                     HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, SINGLE: tl.constexpr,
-                     BR: tl.constexpr, BC: tl.constexpr, ACCURATE: tl.constexpr):
+    def state_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, pos_ptr, excl_ptr, rk_ptr, ck_ptr, keyed,
+                     out_ptr, c, m, span,
+                     HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr,
+                     SINGLE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, ACCURATE: tl.constexpr):
         """The rows' softmax state over one span of columns.
 
-        Final ``(c, 5)`` when SINGLE, else a partial ``(splits, c, 3)`` (maximum, rest, positive logit)
+        Final ``(c, 5)`` when SINGLE, else a partial ``(splits, c, 5)`` (:func:`_stats`' five numbers)
         for :func:`finish_kernel`.
         """
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -215,44 +282,58 @@ if triton is not None:
         end = tl.minimum(begin + span, m)
         scale, bias = _scalars(scale_ptr, bias_ptr, HAS_BIAS)
         pos, excl = _row_targets(pos_ptr, excl_ptr, rows, row_ok, m, HAS_POS, HAS_EXCL)
-        row_max, rest, positive = _stats(p_ptr, stride_r, stride_c, rows, row_ok, begin, end, scale, bias,
-                                         pos, excl, HAS_BIAS, BC, ACCURATE)
+        row_keys = _row_keys(rk_ptr, rows, row_ok, KEY_RULE)
+        row_max, rest, exact, key_sum, key_count = _stats(
+            p_ptr, stride_r, stride_c, rows, row_ok, begin, end, scale, bias, pos, excl, row_keys, ck_ptr, keyed,
+            HAS_BIAS, HAS_POS, KEY_RULE, BC, ACCURATE,
+        )
         if SINGLE:
-            row_max, rest, exact, pos_sum, pos_count = _finish(row_max, rest, positive, pos, excl, ACCURATE)
-            _store_state(out_ptr, rows, row_ok, row_max, rest, exact, pos_sum, pos_count)
+            row_max, rest, exact, key_sum, key_count = _finish(row_max, rest, exact, key_sum, key_count, pos, excl,
+                                                               HAS_POS, KEY_RULE, ACCURATE)
+            _store_state(out_ptr, rows, row_ok, row_max, rest, exact, key_sum, key_count)
         else:
-            slot = (tl.program_id(1) * c + rows) * 3
-            tl.store(out_ptr + slot, row_max, mask=row_ok)
-            tl.store(out_ptr + slot + 1, rest, mask=row_ok)
-            tl.store(out_ptr + slot + 2, positive, mask=row_ok)
+            _store_state(out_ptr + tl.program_id(1) * c * 5, rows, row_ok, row_max, rest, exact, key_sum, key_count)
 
     @triton.jit
     def finish_kernel(partial_ptr, splits, pos_ptr, excl_ptr, state_ptr, c, m,
-                      HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, BR: tl.constexpr, ACCURATE: tl.constexpr):
-        """Merge the spans' partial states (as _softmax.merge_ moves the smaller maxima's terms) and finish."""
+                      HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr, BR: tl.constexpr,
+                      ACCURATE: tl.constexpr):
+        """Merge the spans' partial states (as _softmax.merged moves the smaller maxima's terms) and finish."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         row_ok = rows < c
         pos, excl = _row_targets(pos_ptr, excl_ptr, rows, row_ok, m, HAS_POS, HAS_EXCL)
         row_max = tl.full(rows.shape, float("-inf"), tl.float32)
         for split in range(0, splits):
-            row_max = tl.maximum(row_max, tl.load(partial_ptr + (split * c + rows) * 3, mask=row_ok, other=0.0))
+            row_max = tl.maximum(row_max, tl.load(partial_ptr + (split * c + rows) * 5, mask=row_ok, other=0.0))
         shift = _finite(row_max)
         rest = tl.zeros(rows.shape, tl.float32)
-        positive = tl.zeros(rows.shape, tl.float32)
+        exact = tl.zeros(rows.shape, tl.float32)
+        key_sum = tl.zeros(rows.shape, tl.float32)
+        key_count = tl.zeros(rows.shape, tl.float32)
         for split in range(0, splits):
-            slot = (split * c + rows) * 3
+            slot = (split * c + rows) * 5
             part_max = tl.load(partial_ptr + slot, mask=row_ok, other=0.0)
-            factor = tl.where(part_max == row_max, 1.0, _exp(part_max - shift, ACCURATE))
+            leads = part_max == row_max
+            factor = tl.where(leads, 1.0, _exp(part_max - shift, ACCURATE))
             rest += tl.load(partial_ptr + slot + 1, mask=row_ok, other=0.0) * factor
-            positive += tl.load(partial_ptr + slot + 2, mask=row_ok, other=0.0)
-        row_max, rest, exact, pos_sum, pos_count = _finish(row_max, rest, positive, pos, excl, ACCURATE)
-        _store_state(state_ptr, rows, row_ok, row_max, rest, exact, pos_sum, pos_count)
+            part_exact = tl.load(partial_ptr + slot + 2, mask=row_ok, other=0.0)
+            if HAS_POS or KEY_RULE != _KEYS_POSITIVE:  # the positive's logit, from the one span that holds it
+                exact += part_exact
+            else:  # the count of maxima: the leading spans' stay exact, the others' terms join the sum
+                exact += tl.where(leads, part_exact, 0.0)
+                rest += tl.where(leads, 0.0, part_exact * factor)
+            key_sum += tl.load(partial_ptr + slot + 3, mask=row_ok, other=0.0)
+            key_count += tl.load(partial_ptr + slot + 4, mask=row_ok, other=0.0)
+        row_max, rest, exact, key_sum, key_count = _finish(row_max, rest, exact, key_sum, key_count, pos, excl,
+                                                           HAS_POS, KEY_RULE, ACCURATE)
+        _store_state(state_ptr, rows, row_ok, row_max, rest, exact, key_sum, key_count)
 
     @triton.jit
-    def grad_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, state_ptr, pos_ptr, excl_ptr, w_ptr,
-                    g_ptr, g_stride_r, g_stride_c, c, m,
-                    HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, HAS_W: tl.constexpr,
-                    ACCUMULATE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, ACCURATE: tl.constexpr):
+    def grad_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, state_ptr, pos_ptr, excl_ptr, rk_ptr, ck_ptr,
+                    keyed, w_ptr, g_ptr, g_stride_r, g_stride_c, c, m,
+                    HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr,
+                    HAS_W: tl.constexpr, ACCUMULATE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                    ACCURATE: tl.constexpr):
         """One tile of the softmax gradient from the rows' final state: written, or added with ACCUMULATE."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         row_ok = rows < c
@@ -260,32 +341,43 @@ if triton is not None:
         col_ok = cols < m
         scale, bias = _scalars(scale_ptr, bias_ptr, HAS_BIAS)
         pos, excl = _row_targets(pos_ptr, excl_ptr, rows, row_ok, m, HAS_POS, HAS_EXCL)
+        row_keys = _row_keys(rk_ptr, rows, row_ok, KEY_RULE)
         row_max = tl.load(state_ptr + rows * 5, mask=row_ok, other=0.0)
         rest = tl.load(state_ptr + rows * 5 + 1, mask=row_ok, other=0.0)
         exact = tl.load(state_ptr + rows * 5 + 2, mask=row_ok, other=0.0)
-        live = _row_weights(w_ptr, rows, row_ok, tl.load(state_ptr + rows * 5 + 4, mask=row_ok, other=0.0), HAS_W)
+        pos_count = tl.load(state_ptr + rows * 5 + 4, mask=row_ok, other=0.0)
+        live = _row_weights(w_ptr, rows, row_ok, pos_count, HAS_W)
         logits = _logits(p_ptr, rows, cols, stride_r, stride_c, row_ok, col_ok, scale, bias, HAS_BIAS)
-        grad = _softmax_grad_tile(logits, cols, col_ok, pos, excl, row_max, rest, exact, live, ACCURATE)
+        at_positive, by_key, left_out = _tile_targets(rows, cols, col_ok, pos, excl, row_keys, ck_ptr, keyed, KEY_RULE)
+        grad = _softmax_grad_tile(logits, at_positive, by_key, left_out, row_max, rest, exact, pos_count, live,
+                                  KEY_RULE, ACCURATE)
         _store_grad(g_ptr, g_stride_r, g_stride_c, rows, cols, row_ok, col_ok, grad, ACCUMULATE)
 
     @triton.jit
-    def block_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, pos_ptr, excl_ptr, w_ptr, state_ptr,
-                     g_ptr, g_stride_r, g_stride_c, c, m,
-                     HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, HAS_W: tl.constexpr,
-                     BR: tl.constexpr, BC: tl.constexpr, ACCURATE: tl.constexpr):
+    def block_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, pos_ptr, excl_ptr, rk_ptr, ck_ptr, keyed,
+                     w_ptr, state_ptr, g_ptr, g_stride_r, g_stride_c, c, m,
+                     HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr,
+                     HAS_W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, ACCURATE: tl.constexpr):
         """Whole rows: the state (first pass over the row), then the gradient from it (second pass)."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         row_ok = rows < c
         scale, bias = _scalars(scale_ptr, bias_ptr, HAS_BIAS)
         pos, excl = _row_targets(pos_ptr, excl_ptr, rows, row_ok, m, HAS_POS, HAS_EXCL)
-        row_max, rest, positive = _stats(p_ptr, stride_r, stride_c, rows, row_ok, 0, m, scale, bias,
-                                         pos, excl, HAS_BIAS, BC, ACCURATE)
-        row_max, rest, exact, pos_sum, pos_count = _finish(row_max, rest, positive, pos, excl, ACCURATE)
+        row_keys = _row_keys(rk_ptr, rows, row_ok, KEY_RULE)
+        row_max, rest, exact, key_sum, key_count = _stats(
+            p_ptr, stride_r, stride_c, rows, row_ok, 0, m, scale, bias, pos, excl, row_keys, ck_ptr, keyed,
+            HAS_BIAS, HAS_POS, KEY_RULE, BC, ACCURATE,
+        )
+        row_max, rest, exact, pos_sum, pos_count = _finish(row_max, rest, exact, key_sum, key_count, pos, excl,
+                                                           HAS_POS, KEY_RULE, ACCURATE)
         _store_state(state_ptr, rows, row_ok, row_max, rest, exact, pos_sum, pos_count)
         live = _row_weights(w_ptr, rows, row_ok, pos_count, HAS_W)
         for start in range(0, m, BC):
             cols = start + tl.arange(0, BC)
             col_ok = cols < m
             logits = _logits(p_ptr, rows, cols, stride_r, stride_c, row_ok, col_ok, scale, bias, HAS_BIAS)
-            grad = _softmax_grad_tile(logits, cols, col_ok, pos, excl, row_max, rest, exact, live, ACCURATE)
+            at_positive, by_key, left_out = _tile_targets(rows, cols, col_ok, pos, excl, row_keys, ck_ptr, keyed,
+                                                          KEY_RULE)
+            grad = _softmax_grad_tile(logits, at_positive, by_key, left_out, row_max, rest, exact, pos_count, live,
+                                      KEY_RULE, ACCURATE)
             _store_grad(g_ptr, g_stride_r, g_stride_c, rows, cols, row_ok, col_ok, grad, False)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-__all__ = ["check", "flags", "interpreting", "on", "span", "tile"]
+__all__ = ["check", "flags", "interpreting", "keys", "on", "span", "tile"]
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MIN_TILES_PER_SPLIT = 4  # a span shorter than this pays more in merging than it gains in programs
@@ -63,8 +63,25 @@ def on(product: Tensor) -> Iterator[None]:
         yield
 
 
-def check(product: Tensor, scale: Tensor, bias: Tensor | None, rows: dict[str, Tensor | None]) -> None:
+def check(
+    product: Tensor, scale: Tensor, bias: Tensor | None, rows: dict[str, Tensor | None],
+    row_keys: Tensor | None = None, column_keys: Tensor | None = None,
+) -> None:  # fmt: skip
     """The ops' inputs, as the kernels read them: raise naming the expected and the given."""
+    if (row_keys is None) != (column_keys is None):
+        raise TypeError("row_keys and column_keys go together: give both or neither")
+    if row_keys is not None and column_keys is not None:
+        if row_keys.shape != (product.shape[0],) or not row_keys.is_contiguous():
+            raise TypeError(f"row_keys must be a contiguous ({product.shape[0]},) tensor, got {tuple(row_keys.shape)}")
+        if column_keys.dim() != 1 or column_keys.shape[0] > product.shape[1] or not column_keys.is_contiguous():
+            raise TypeError(
+                f"column_keys must be a contiguous 1-D tensor of at most {product.shape[1]} keys, "
+                f"got {tuple(column_keys.shape)}"
+            )
+        if column_keys.dtype != row_keys.dtype:
+            raise TypeError(
+                f"row_keys and column_keys must share a dtype, got {row_keys.dtype} and {column_keys.dtype}"
+            )
     if product.dim() != 2 or product.dtype != torch.float32:
         raise TypeError(f"product must be a 2-D float32 tensor, got {product.dim()}-D {product.dtype}")
     for name, scalar in (("scale", scale), ("bias", bias)):
@@ -88,6 +105,21 @@ def check(product: Tensor, scale: Tensor, bias: Tensor | None, rows: dict[str, T
             )
 
 
-def flags(bias: Tensor | None, positive: Tensor | None, excluded: Tensor | None) -> dict[str, bool]:
-    """The kernels' switches for the optional inputs (an absent one is a ``None`` pointer, never read)."""
-    return {"HAS_BIAS": bias is not None, "HAS_POS": positive is not None, "HAS_EXCL": excluded is not None}
+def flags(
+    bias: Tensor | None, positive: Tensor | None, excluded: Tensor | None,
+    row_keys: Tensor | None = None, column_keys: Tensor | None = None, keys_positive: bool = False,
+) -> dict[str, int]:  # fmt: skip
+    """The kernels' switches for the optional inputs (an absent one is a ``None`` pointer, never read).
+
+    ``KEY_RULE``: 0 without keys, 1 when pairs that share a key are positives, 2 when they are left out.
+    """
+    rule = 0 if row_keys is None or column_keys is None else (1 if keys_positive else 2)
+    return {"HAS_BIAS": bias is not None, "HAS_POS": positive is not None, "HAS_EXCL": excluded is not None,
+            "KEY_RULE": rule}  # fmt: skip
+
+
+def keys(row_keys: Tensor | None, column_keys: Tensor | None) -> tuple[Tensor | None, Tensor | None, int]:
+    """The kernels' key arguments: the rows' keys, the columns' and how many columns have one."""
+    if row_keys is None or column_keys is None:
+        return None, None, 0
+    return row_keys, column_keys, column_keys.shape[0]
