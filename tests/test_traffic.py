@@ -39,21 +39,37 @@ chunks, their doubles): a product whose inner dimension is ``D`` is a logit bloc
 LOSSES = ("info_nce", "siglip", "nt_xent", "supcon")
 SYMMETRIC = ("nt_xent", "supcon")
 """Losses of ``2n`` rows against ``2n`` columns (two views per sample)."""
+ID_LOSSES = ("info_nce", "siglip", "nt_xent")
+"""Losses counted with ``ids=`` too (one sample in 50 shares its neighbour's id, as repeated captions do)."""
+IDS_COST = 1.10
+"""Epilogue bytes of a call with ``ids=`` at most this times the same call's without."""
 
 
-def loss_call(loss: str, chunk: int | None, reduction: str = "mean") -> Callable[..., Tensor]:
+def loss_call(loss: str, chunk: int | None, reduction: str = "mean", ids: bool = False) -> Callable[..., Tensor]:
     """The public function, called with ``chunk_size=chunk`` and otherwise its defaults.
 
-    ``reduction="none"``: the per-row losses (their recomputed path), summed.
+    ``reduction="none"``: the per-row losses (their recomputed path), summed. ``ids``: the last input
+    is the samples' ids (``ids=``).
     """
     function = getattr(contrastive_dist, loss)
-    if reduction == "none":
-        return lambda *inputs: function(*inputs, chunk_size=chunk, reduction="none").sum()
-    return lambda *inputs: function(*inputs, chunk_size=chunk)
+
+    def call(*inputs: Tensor) -> Tensor:
+        options: dict[str, object] = {"chunk_size": chunk, "reduction": reduction}
+        if ids:
+            *inputs, options["ids"] = inputs  # type: ignore[assignment]
+        value = function(*inputs, **options)
+        return value.sum() if reduction == "none" else value
+
+    return call
 
 
-def loss_inputs(loss: str, rows: int, dtype: torch.dtype, device: str = "cuda") -> Callable[[], list[Tensor]]:
-    """A maker of the loss's inputs: features (two views), SigLIP's learnable scale and bias, SupCon's labels."""
+def loss_inputs(
+    loss: str, rows: int, dtype: torch.dtype, device: str = "cuda", ids: bool = False
+) -> Callable[[], list[Tensor]]:
+    """A maker of the loss's inputs: features (two views), SigLIP's learnable scale and bias, SupCon's labels.
+
+    ``ids``: the samples' ids last, one sample in 50 sharing its neighbour's.
+    """
 
     def features(*shape: int) -> Tensor:
         return torch.nn.functional.normalize(torch.randn(*shape, dtype=torch.float64), dim=-1).to(device, dtype)
@@ -65,6 +81,10 @@ def loss_inputs(loss: str, rows: int, dtype: torch.dtype, device: str = "cuda") 
         if loss == "siglip":
             pair += [torch.tensor(10.0, device=device, requires_grad=True),
                      torch.tensor(-10.0, device=device, requires_grad=True)]  # fmt: skip
+        if ids:
+            sample_ids = torch.arange(rows)
+            sample_ids[1::50] = sample_ids[0::50][: len(sample_ids[1::50])]
+            pair.append(sample_ids.to(device))
         return pair
 
     return make
@@ -75,12 +95,16 @@ def matrix_side(loss: str, rows: int) -> int:
     return 2 * rows if loss in SYMMETRIC else rows
 
 
-def tally(loss: str, chunk: int | None, dtype: torch.dtype, rows: int = ROWS, reduction: str = "mean") -> traffic.Tally:
-    return traffic.count(loss_call(loss, chunk, reduction), loss_inputs(loss, rows, dtype), dim=DIM)
+def tally(
+    loss: str, chunk: int | None, dtype: torch.dtype, rows: int = ROWS, reduction: str = "mean", ids: bool = False
+) -> traffic.Tally:
+    return traffic.count(loss_call(loss, chunk, reduction, ids), loss_inputs(loss, rows, dtype, ids=ids), dim=DIM)
 
 
-def bytes_per_logit(loss: str, chunk: int | None, dtype: torch.dtype, reduction: str = "mean") -> float:
-    return tally(loss, chunk, dtype, reduction=reduction).epilogue_bytes / matrix_side(loss, ROWS) ** 2
+def bytes_per_logit(
+    loss: str, chunk: int | None, dtype: torch.dtype, reduction: str = "mean", ids: bool = False
+) -> float:
+    return tally(loss, chunk, dtype, reduction=reduction, ids=ids).epilogue_bytes / matrix_side(loss, ROWS) ** 2
 
 
 def launches_per_chunk_visit(loss: str, dtype: torch.dtype, chunk: int = CHUNK, reduction: str = "mean") -> float:
@@ -200,6 +224,14 @@ def test_epilogue_launches_per_chunk_visit(loss: str, reduction: str) -> None:
     assert launches_per_chunk_visit(loss, torch.bfloat16, reduction=reduction) <= LAUNCHES_PER_CHUNK_VISIT
 
 
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("loss", ID_LOSSES)
+def test_ids_cost_little_traffic(loss: str, reduction: str) -> None:
+    """Ids are compared in the kernels: a few bytes per row and column, no mask over the block."""
+    with_ids, without = (bytes_per_logit(loss, CHUNK, torch.bfloat16, reduction, ids=ids) for ids in (True, False))
+    assert with_ids <= IDS_COST * without
+
+
 def table(dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16)) -> str:
     """The counts of every loss, call and dtype as a Markdown table."""
     lines = [
@@ -218,6 +250,10 @@ def table(dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16)) -> st
             f"| {counted.products} | {counted.logit_blocks} | {counted.epilogue} | {per_visit} "
             f"| {counted.epilogue_bytes / matrix_side(loss, ROWS) ** 2:.1f} | {counted.host_reads} |"
         )
+    for loss, reduction in itertools.product(ID_LOSSES, REDUCTIONS):
+        ratio = (bytes_per_logit(loss, CHUNK, torch.bfloat16, reduction, ids=ids) for ids in (True, False))
+        lines.append(f"\n{loss}, chunk{CHUNK}, bfloat16, {reduction}: epilogue bytes with ids ÷ without "
+                     f"{next(ratio) / next(ratio):.3f}")  # fmt: skip
     return "\n".join(lines)
 
 
