@@ -142,6 +142,16 @@ def outcome(key: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(declared.argv, returncode, output, errors)
 
 
+def assert_every_check_passed(key: str, passed: int | None = None, timeout: float = 900) -> None:
+    """``key``'s command is a pytest run (a test file's checks in a process of their own): it exited 0 and
+    every check it collected ran and passed (``passed`` of them, when given), none skipped."""
+    done = outcome(key, timeout)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    summary = done.stdout.strip().splitlines()[-1]
+    assert f"{'' if passed is None else passed} passed" in summary, done.stdout[-3000:]
+    assert "skipped" not in summary, done.stdout[-3000:]
+
+
 def _kill(process: subprocess.Popen[bytes]) -> None:
     """The command's whole session: its own children (ranks, kernels) too."""
     try:

@@ -54,10 +54,7 @@ INTERPRETER_CHECKS = _interpreter_command()
 @pytest.mark.skipif(os.environ.get(_CHILD) == "1", reason="this is the interpreter's process")
 def test_in_interpreter() -> None:
     """Every check below, in the interpreter's process (started when the session started)."""
-    done = background.outcome(INTERPRETER_CHECKS, timeout=900)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    summary = done.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary, done.stdout[-3000:]  # every check ran
+    background.assert_every_check_passed(INTERPRETER_CHECKS)
 
 
 @pytest.fixture

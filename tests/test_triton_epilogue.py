@@ -44,10 +44,7 @@ INTERPRETER_CHECKS = "triton epilogue checks"
 @pytest.mark.background(INTERPRETER_CHECKS)
 def test_in_interpreter() -> None:
     """Every check below, in a fresh process under ``TRITON_INTERPRET=1``."""
-    done = background.outcome(INTERPRETER_CHECKS, timeout=900)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    summary = done.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary, done.stdout[-3000:]  # every check ran
+    background.assert_every_check_passed(INTERPRETER_CHECKS)
 
 
 class Block(NamedTuple):
