@@ -360,6 +360,17 @@ def test_custom_ops_pass_opcheck() -> None:
         (epilogue.softmax_grad, (*args[:3], state, *args[3:], weights, other_direction.T), {"accumulate": True}),
         (epilogue.softmax_block, (*args, weights, grad.clone()), {}),
     ]
+    keyed, _, keys = _keyed("supcon")  # keys as positives, SupCon's anchors
+    keyed_args = (keyed.product, keyed.scale, keyed.bias, None, keyed.excluded)
+    keyed_state = epilogue.softmax_state(*keyed_args, **keys)
+    masked = {**keys, "keys_positive": False}  # keys that leave pairs out
+    calls += [
+        (epilogue.softmax_state, keyed_args, {"splits": 2, **keys}),
+        (epilogue.softmax_block, (*keyed_args, None, torch.empty_like(keyed.product)), keys),
+        (epilogue.softmax_grad, (*keyed_args[:3], keyed_state, *keyed_args[3:], None, torch.empty_like(keyed.product)),
+         masked),
+        (epilogue.sigmoid_block, (*keyed_args, None, torch.empty_like(keyed.product)), masked),
+    ]
     for op, op_args, op_kwargs in calls:
         torch.library.opcheck(op, op_args, op_kwargs)
 
