@@ -20,7 +20,8 @@ costs only its own rows (a ``section failed`` row names the error), a method tha
 between methods; the exit status is 1 when a section failed.
 
 One GPU: every method's value and gradients (features, the learnable ``logit_scale`` and SigLIP
-``logit_bias``) against a float64 reference, in bf16, TF32 and fp32; then forward+backward time
+``logit_bias``) against a float64 reference, in bf16, TF32 and fp32, and ours with sample ids
+(``same_id="mask"``; one sample in 50 shares its neighbour's id) in both modes; then forward+backward time
 (CUDA events, the median of up to 50 steps, at least 20 for steps under ``--point-seconds / 20``) and
 peak memory at global batch 16k–128k, D = 768: ``info_nce`` and ``siglip`` in gather mode with
 ``chunk_size`` 1024 and 4096 and in ring mode (one block on one rank), against open_clip's

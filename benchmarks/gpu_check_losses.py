@@ -54,25 +54,29 @@ SIGLIP_KERNEL_COMPUTE = "siglip-kernel's own route for the dtype (bf16: cuBLAS p
 
 @dataclass
 class Inputs:
-    """One rank's leaves: features ``(n, D)``, ``log_scale`` and ``bias`` ``()``."""
+    """One rank's leaves: features ``(n, D)``, ``log_scale`` and ``bias`` ``()``; and the samples' ``ids`` ``(n,)``."""
 
     images: Tensor
     texts: Tensor
     log_scale: Tensor
     bias: Tensor
+    ids: Tensor | None = None
 
     def leaves(self) -> tuple[Tensor, ...]:
         return self.images, self.texts, self.log_scale, self.bias
 
 
 def make_inputs(batch: int, dim: int, dtype: torch.dtype, device: torch.device, *, seed: int = 0) -> Inputs:
-    """Unit-norm random features (drawn in float32 on ``device``, then cast), scale 1/0.07, bias −10."""
+    """Unit-norm random features (drawn in float32 on ``device``, then cast), scale 1/0.07, bias −10; ids
+    with one sample in 50 sharing its neighbour's (repeated captions)."""
     generator = torch.Generator(device).manual_seed(seed)
     images, texts = (F.normalize(torch.randn(batch, dim, generator=generator, device=device), dim=-1).to(dtype)
                      for _ in range(2))
     log_scale = torch.tensor(math.log(1 / 0.07), device=device)
     bias = torch.tensor(-10.0, device=device)
-    return Inputs(*(leaf.requires_grad_() for leaf in (images, texts, log_scale, bias)))
+    ids = torch.arange(batch, device=device)
+    ids[1::50] = ids[0::50][: len(ids[1::50])]
+    return Inputs(*(leaf.requires_grad_() for leaf in (images, texts, log_scale, bias)), ids=ids)
 
 
 def shard(x: Inputs, sizes: tuple[int, ...], rank: int) -> Inputs:
@@ -80,20 +84,21 @@ def shard(x: Inputs, sizes: tuple[int, ...], rank: int) -> Inputs:
     start = sum(sizes[:rank])
     rows = slice(start, start + sizes[rank])
     return Inputs(*(leaf.detach()[rows].clone().requires_grad_() for leaf in (x.images, x.texts)),
-                  *(leaf.detach().clone().requires_grad_() for leaf in (x.log_scale, x.bias)))
+                  *(leaf.detach().clone().requires_grad_() for leaf in (x.log_scale, x.bias)),
+                  ids=None if x.ids is None else x.ids[rows])
 
 
 LossFn = Callable[[Inputs], Tensor]
 
 
 def ours(loss: str, *, chunk_size: int | None, communication: Literal["gather", "ring"] = "gather",
-         group: dist.ProcessGroup | None = None) -> LossFn:
-    """This package's loss, through its public functions."""
+         group: dist.ProcessGroup | None = None, ids: bool = False) -> LossFn:
+    """This package's loss, through its public functions; ``ids``: with the samples' ids (``same_id="mask"``)."""
     if loss == "info_nce":
         return lambda x: info_nce(x.images, x.texts, x.log_scale.exp(), chunk_size=chunk_size,
-                                  communication=communication, group=group)
+                                  communication=communication, group=group, ids=x.ids if ids else None)
     return lambda x: siglip(x.images, x.texts, x.log_scale.exp(), x.bias, chunk_size=chunk_size,
-                            communication=communication, group=group)
+                            communication=communication, group=group, ids=x.ids if ids else None)
 
 
 def open_clip_loss(loss: str, *, rank: int = 0, world_size: int = 1) -> LossFn | None:
@@ -159,16 +164,22 @@ def gradients(loss: str, value: Tensor, x: Inputs) -> dict[str, Tensor]:
     return {key: tensor.detach().double() for key, tensor in found.items() if tensor is not None}
 
 
-def reference(loss: str, x: Inputs) -> dict[str, Tensor]:
-    """The single-process loss over ``x`` in float64, written out in plain PyTorch; value and gradients."""
+def reference(loss: str, x: Inputs, ids: bool = False) -> dict[str, Tensor]:
+    """The single-process loss over ``x`` in float64, written out in plain PyTorch; value and gradients.
+
+    ``ids``: a pair of two samples that share an id is no negative (``same_id="mask"``): left out.
+    """
     leaves = Inputs(*(leaf.detach().double().requires_grad_() for leaf in x.leaves()))
     logits = leaves.log_scale.exp() * leaves.images @ leaves.texts.T
+    own = torch.eye(len(logits), dtype=torch.bool, device=logits.device)
+    left_out = torch.zeros_like(own) if not ids or x.ids is None else (x.ids[:, None] == x.ids[None, :]) & ~own
     if loss == "info_nce":  # CLIP: the mean of image→text and text→image cross-entropy
         labels = torch.arange(len(logits), device=logits.device)
+        logits = logits.masked_fill(left_out, float("-inf"))
         value = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
     else:  # SigLIP: −log σ(±logit) over every pair, summed per image, averaged over images
-        signs = 2 * torch.eye(len(logits), dtype=logits.dtype, device=logits.device) - 1
-        value = -F.logsigmoid(signs * (logits + leaves.bias)).sum() / len(logits)
+        signs = 2 * own.to(logits.dtype) - 1
+        value = -F.logsigmoid(signs * (logits + leaves.bias)).masked_fill(left_out, 0.0).sum() / len(logits)
     value.backward()
     return gradients(loss, value, leaves)
 

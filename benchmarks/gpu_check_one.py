@@ -64,17 +64,22 @@ def _row(loss: str, method: Method, precision: Precision, batch: int | None) -> 
 
 
 def exactness(device: torch.device, sizes: Sizes, precision: Precision, loss: str) -> Iterator[Row]:
-    """Every method's value and gradients (features, scale, bias) against the float64 reference."""
+    """Every method's value and gradients (features, scale, bias) against the float64 reference; and ours
+    with sample ids in both modes (ids compared in the fused kernels on CUDA) against the reference with ids."""
     x = make_inputs(sizes.exact_batch, sizes.dim, precision.dtype, device)
-    want = reference(loss, x)
-    for method in methods(loss, precision, device, sizes.chunk_sizes[:1]):
+    want, want_with_ids = reference(loss, x), reference(loss, x, ids=True)
+    chunk = sizes.chunk_sizes[0]
+    with_ids = [Method(f"ours {mode}, ids", chunk, ours(loss, chunk_size=chunk, communication=mode, ids=True),
+                       precision.ours(device)) for mode in ("gather", "ring")]  # fmt: skip
+    for method in [*methods(loss, precision, device, sizes.chunk_sizes[:1]), *with_ids]:
         row = _row(loss, method, precision, sizes.exact_batch)
         if method.fn is None:
             yield {**row, "note": method.missing}
             continue
         try:
             value = train_step(method.fn, x, precision, device)()
-            yield {**row, **relative_errors(gradients(loss, value, x), want)}
+            expected = want_with_ids if method in with_ids else want
+            yield {**row, **relative_errors(gradients(loss, value, x), expected)}
         except Exception as error:  # noqa: BLE001 - one method's failure costs its own row only
             yield {**row, "note": failure(error)}
         for leaf in x.leaves():

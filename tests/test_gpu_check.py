@@ -102,12 +102,14 @@ def test_one_rank_sections_end_to_end_on_cpu_with_every_file_under_out() -> None
     exactness = _section(rows, "exactness", start=True)
     assert {row["section"] for row in exactness} == {f"1 rank: exactness {precision} {loss}"
                                                      for precision in ("bf16", "fp32") for loss in LOSSES}
-    # 2 precisions × 2 losses × (open_clip, ours gather, ours ring), and siglip-kernel's two (bf16 SigLIP; CUDA only).
+    # 2 precisions × 2 losses × (open_clip, ours gather, ours ring, both with ids), and siglip-kernel's two
+    # (bf16 SigLIP; CUDA only).
     kernel = [row for row in exactness if "siglip-kernel" in row["check"]]
     assert len(kernel) == 2
     assert all(row["note"] == "skipped: siglip-kernel runs on CUDA only (Triton)" for row in kernel)
     exactness = [row for row in exactness if row not in kernel]
-    assert len(exactness) == 12 and all("scale" in _errors(row["note"]) for row in exactness)
+    assert len(exactness) == 20 and all("scale" in _errors(row["note"]) for row in exactness)
+    assert len([row for row in exactness if row["check"].endswith(", ids")]) == 8
     assert all("bias" in _errors(row["note"]) for row in exactness if row["check"].startswith("siglip"))
     for row in exactness:
         errors = _errors(row["note"])
@@ -159,7 +161,7 @@ def test_a_failing_section_costs_only_its_rows_and_earlier_rows_are_already_on_d
     monkeypatch.setattr(one, "speed", failing_speed)
     assert _module("gpu_check").main([*FAST, "--csv", str(path), "--out", str(tmp_path)]) == 1
     assert seen_on_disk[0]["section"] == "machine"
-    assert all(row["section"].startswith("1 rank: exactness") for row in seen_on_disk[1:]) and len(seen_on_disk) == 15
+    assert all(row["section"].startswith("1 rank: exactness") for row in seen_on_disk[1:]) and len(seen_on_disk) == 23
     rows = _read(path)
     assert rows[: len(seen_on_disk)] == seen_on_disk
     failed = _section(rows, "speed bf16 siglip")
