@@ -68,7 +68,7 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 
 
 KINDS = ("clip", "clip_one_way", "clip_shared_negatives", "ntxent_scale", "siglip", "supcon", "supcon_views_scale",
-         "clip+positive", "clip+mask", "ntxent_scale+positive", "siglip+positive", "siglip+mask")
+         "clip+positive", "clip+mask", "ntxent_scale+positive", "ntxent_scale+mask", "siglip+positive", "siglip+mask")
 """The losses checked; ``+rule``: with sample ids and ``same_id=rule`` (few distinct ids: shared within and
 across ranks). SupCon's labels and the ids are keys, compared in the kernels."""
 
