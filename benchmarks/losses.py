@@ -26,6 +26,8 @@ lives only here: the difference to ``clip_ring_chunk256`` is the transfer time t
 rank (``negatives=``, with gradient; the texts rolled by one row), gathered or sent round the ring.
 ``clip_*ids_mask_chunk256`` / ``clip_*ids_positive_chunk256`` pass sample ids (one id per 4 rows,
 overlapping between neighbouring ranks) with ``same_id="mask"`` / ``"positive"``.
+``ntxent*`` rows are ``NTXentLoss`` (temperature 0.5) on the same pairs as two views, gathered or
+``*_ring``; ``lightly_ntxent`` is lightly's on the same inputs.
 ``--by-ranks METHOD`` ends with one table of peak memory and time against W, with ratios to METHOD;
 ``--plot PATH`` draws the same rows (every equal-size run) as a figure of memory and time against W.
 
@@ -79,7 +81,10 @@ METHODS = (
     "open_clip_local",
     "open_clip_default",
     "gemm_floor",
+    "ntxent",
     "ntxent_chunk256",
+    "ntxent_ring",
+    "ntxent_ring_chunk256",
     "lightly_ntxent",
 )
 EQUAL_SIZES_ONLY = {"open_clip_local", "open_clip_default", "lightly_ntxent"}
@@ -152,8 +157,9 @@ def _build(method: str, rank: int, world_size: int, dim: int) -> Callable[..., t
         return lambda images, texts, scale: criterion(
             images, texts, scale, negatives=_hard_negatives(method, texts), **_ids(method, rank, texts)
         )
-    if method == "ntxent_chunk256":
-        ntxent = NTXentLoss(chunk_size=256)
+    if method.startswith("ntxent"):
+        chunk = int(method.split("chunk")[1]) if "chunk" in method else None
+        ntxent = NTXentLoss(chunk_size=chunk, communication="ring" if "_ring" in method else "gather")
         return lambda images, texts, scale: ntxent(images, texts)
     if method.startswith("open_clip"):
         try:

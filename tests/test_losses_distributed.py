@@ -37,7 +37,7 @@ from routes import ROUTES, on_route
 from torch import Tensor, nn
 
 from contrastive_dist import DistributedInfoNCE, SharedNegatives, info_nce, nt_xent, retrieval_accuracy, siglip, supcon
-from contrastive_dist.losses import _gram, _same_key
+from contrastive_dist.losses import _gram, _reduction, _same_key
 from contrastive_dist.losses._precision import PRODUCTS_VARIABLE
 from contrastive_dist.testing import WorkerPool
 
@@ -96,16 +96,16 @@ def _local(data: dict[str, Tensor], shards: tuple[int, ...], negative_shards: tu
 
 def run_cases(rank: int, world_size: int, communication: str, all_cases: list[Case]) -> list[tuple[Tensor, dict]]:
     results = []
-    kept = _same_key.SPARSE_AT_MOST, _gram.MIN_DIM, _gram.ONE_PROCESS
+    kept = _same_key.SPARSE_AT_MOST, _gram.MIN_DIM, _gram.RING_MIN_DIM, _gram.ONE_PROCESS
     try:
         for seed, case in enumerate(all_cases):
             # Pairs that share a key (ids, labels): as indices in one case, as a mask in the next (_same_key);
-            # Gram losses in gather mode: by tiles in two cases of four, whatever their width and world size.
+            # Gram losses: by tiles in two cases of four, whatever their width and world size (both modes).
             _same_key.SPARSE_AT_MOST = 1.0 if seed % 2 == 0 else -1.0
-            _gram.MIN_DIM, _gram.ONE_PROCESS = (0, False) if seed % 4 < 2 else kept[1:]
+            _gram.MIN_DIM, _gram.RING_MIN_DIM, _gram.ONE_PROCESS = (0, 0, False) if seed % 4 < 2 else kept[1:]
             results.append(_run_case(seed, case, rank, communication))
     finally:
-        _same_key.SPARSE_AT_MOST, _gram.MIN_DIM, _gram.ONE_PROCESS = kept
+        _same_key.SPARSE_AT_MOST, _gram.MIN_DIM, _gram.RING_MIN_DIM, _gram.ONE_PROCESS = kept
     return results
 
 
@@ -161,6 +161,32 @@ def test_every_loss_equals_the_single_process_reference(
         check(1, all_cases, [run_cases(0, 1, communication, all_cases)])
         return
     check(world_size, all_cases, pool(world_size).run(run_cases, communication, all_cases, timeout=300))
+
+
+GRAM_KINDS = tuple(kind for kind in KINDS if kind.startswith(("ntxent", "supcon", "dcl")))
+
+
+def _ring_tiles(rank: int, world_size: int) -> list[str]:
+    """The Gram losses' weighted sums in ring mode, counted: which of them took the pairs of tiles."""
+    taken, formed = _reduction.gram_ring_pair_sum, []
+    kept = _gram.RING_MIN_DIM
+    shards = (3, 0, 4)
+    params, data = make_problem(7, sum(shards), torch.float64)
+    local = {name: _slice(tensor, shards, rank) for name, tensor in data.items()}
+    try:
+        _gram.RING_MIN_DIM = 0  # whatever the width
+        for kind in GRAM_KINDS:
+            _reduction.gram_ring_pair_sum = lambda *args, kind=kind: (formed.append(kind), taken(*args))[1]
+            package_value(kind, "weighted", params, local, chunk_size=2, communication="ring")
+    finally:
+        _reduction.gram_ring_pair_sum, _gram.RING_MIN_DIM = taken, kept
+    return formed
+
+
+def test_gram_losses_take_their_tiles_in_ring_mode(pool: Callable[[int], WorkerPool]) -> None:
+    # Ring mode's weighted sums of NT-Xent, SupCon and DCL form each pair of tiles once (losses/_gram_ring.py);
+    # their values and gradients are the matrix's above (two cases in four take the tiles). Here: they do.
+    assert pool(3).run(_ring_tiles, timeout=120) == [list(GRAM_KINDS)] * 3
 
 
 @pytest.mark.parametrize("route", ROUTES)

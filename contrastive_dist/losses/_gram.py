@@ -1,5 +1,7 @@
 """Gram losses (NT-Xent, SupCon, DCL) in gather mode: each pair of tiles of their symmetric matrix formed once.
 
+Ring mode forms the same pairs as its blocks go round (:mod:`._gram_ring`).
+
 Their rows are also their columns: the logit matrix of the global batch ``L = s · Z Zᵀ`` is
 symmetric, and its gradient is ``s (G + Gᵀ) Z`` — two products where a rows-against-columns
 kernel takes three (the logits, ``G K`` and ``Gᵀ Q``). Here the rows are cut into tiles and each
@@ -45,7 +47,10 @@ from contrastive_dist.losses._kernel import (
 from contrastive_dist.losses._precision import upcast
 from contrastive_dist.losses._targets import RowTargets, Targets, partly_located
 
-__all__ = ["MIN_DIM", "ONE_PROCESS", "Tile", "gram_pair_sum", "tiles", "worth_it"]
+__all__ = [
+    "GramFunction", "MIN_DIM", "ONE_PROCESS", "RING_MIN_DIM", "Side", "Tile", "TileKeys", "gram_pair_sum",
+    "pair_gradient", "sides_of", "tile_size", "tiles", "worth_it",
+]
 
 
 MIN_DIM = 512
@@ -53,23 +58,32 @@ MIN_DIM = 512
 passes (each pair's copy seen transposed) do not. Measured (one process, CPU, ``benchmarks/floor.py``
 and ``nt_xent`` / ``supcon`` at n = 2048–4096): 0.82–0.87× the rows-against-columns kernel's time at
 D = 512, 0.87–1.14× at D = 128 and 256."""
+RING_MIN_DIM = 256
+"""The same in ring mode (:mod:`._gram_ring`), where the tiles save more (half of every block's products):
+measured (``benchmarks/floor.py`` and ``losses.py``, two and four ranks, ``nt_xent`` / ``supcon``): 0.67–0.78× the
+rows-against-columns ring's time at D = 512, 0.82–0.93× at D = 256, 0.96–1.11× at D = 128."""
 ONE_PROCESS = True
 """Only without other ranks: across ranks the tiles' exchange of states is one more collective in the
 middle of the forward, which measured 0.93–1.04× at best and up to 1.6× with more threads than cores
 (four ranks of two threads on two cores), a common CPU setup."""
 
 
-def worth_it(queries: Tensor, keys: Tensor, ranks: int) -> bool:
+def worth_it(queries: Tensor, keys: Tensor, ranks: int, *, ring: bool = False) -> bool:
     """Whether a Gram loss's blocks of ``keys`` take the tiles (on the CPU: see :data:`MIN_DIM`, :data:`ONE_PROCESS`).
+
+    ``ring``: ring mode (:mod:`._gram_ring`, from :data:`RING_MIN_DIM`), whose pairs need no exchange of their own.
 
     Example:
         >>> import torch
         >>> worth_it(torch.zeros(8, 512), torch.zeros(8, 512), 1), worth_it(torch.zeros(8, 128), torch.zeros(8, 128), 1)
         (True, False)
+        >>> half = torch.zeros(8, 256)
+        >>> worth_it(half, half, 1), worth_it(half, half, 4), worth_it(half, half, 4, ring=True)
+        (False, False, True)
     """
-    if queries.is_cuda or (ONE_PROCESS and ranks > 1):
+    if queries.is_cuda or (ONE_PROCESS and ranks > 1 and not ring):
         return False  # (measured on the CPU only)
-    return keys.shape[1] >= MIN_DIM
+    return keys.shape[1] >= (RING_MIN_DIM if ring else MIN_DIM)
 
 
 class Tile(NamedTuple):
@@ -118,35 +132,47 @@ CPU_TILE_LOGITS = 2**21
 1024-row tiles (more tiles, smaller products) and 1.53–1.60 with 2048 or 2896 (tiles out of cache)."""
 
 
-def tile_size(chunk: int | None, queries: Tensor, columns: int) -> int:
+def tile_size(chunk: int | None, queries: Tensor, columns: int, cpu_budget: int = CPU_TILE_LOGITS) -> int:
     """Rows per tile: a square of the default budget's logits, or the side that keeps its promise with ``chunk_size``.
 
     A pair's block and its copy seen transposed then hold at most ``chunk_size × columns`` logits together.
+    ``cpu_budget``: the default tile's logits on the CPU.
 
     Example:
         >>> import torch
         >>> tile_size(None, torch.zeros(0), 8192), tile_size(256, torch.zeros(0), 8192)
         (1448, 1024)
     """
-    budget = (BLOCK_LOGITS if queries.is_cuda else CPU_TILE_LOGITS) if chunk is None else chunk * columns // 2
+    budget = (BLOCK_LOGITS if queries.is_cuda else cpu_budget) if chunk is None else chunk * columns // 2
     return max(1, math.isqrt(budget))
 
 
-def _targets(every: RowTargets, rows: tuple[int, int], columns: tuple[int, int]) -> Targets:
-    """Rows ``rows`` of the global matrix against its columns ``columns``, from every row's targets."""
+TileKeys = tuple[Tensor, Tensor] | None
+"""A pair of tiles' keys: its rows' and its columns' (labels, ids), or ``None``."""
+
+
+def keys_of(every: RowTargets, tile: Tile) -> TileKeys:
+    """The keys of a pair of tiles, from every row's (gather mode: the one block holds them all)."""
+    keys = every.keys
+    return None if keys is None else (keys[slice(*tile.rows)], keys[slice(*tile.columns)])
+
+
+def tile_targets(every: RowTargets, rows: tuple[int, int], columns: tuple[int, int], keys: TileKeys) -> Targets:
+    """Rows ``rows`` of the global matrix against its columns ``columns``, from every row's targets.
+
+    ``keys``: the rows' and the columns' keys (each transport finds them where it holds them).
+    """
     (row_start, row_stop), (column_start, column_stop) = rows, columns
     width = column_stop - column_start
 
     def located(index: Tensor | None) -> Any:
         return None if index is None else partly_located(index[row_start:row_stop] - column_start, width)
 
-    keys = every.keys
-    row_keys = None if keys is None else keys[row_start:row_stop]
-    column_keys = None if keys is None else keys[column_start:column_stop]
+    row_keys, column_keys = (None, None) if keys is None else keys
     return Targets(located(every.positive), located(every.excluded), row_keys, column_keys, every.key_rule)
 
 
-class _Side(NamedTuple):
+class Side(NamedTuple):
     """One side of a pair of tiles: rows ``span`` against the other tile's columns.
 
     Attributes:
@@ -163,15 +189,16 @@ class _Side(NamedTuple):
     partial: Tensor | None = None
 
 
-def _sides(every: RowTargets, tile: Tile, logits: Tensor) -> list[_Side]:
+def sides_of(every: RowTargets, tile: Tile, logits: Tensor, keys: TileKeys) -> list[Side]:
     """The tile's rows against its columns and, off the diagonal, its columns' rows against its rows.
 
     The columns' side is a copy seen transposed (:func:`._kernel.transposed_copy`): laid out like the
     logits, so that its gradient adds onto theirs in one plain pass.
     """
-    sides = [_Side(tile.rows, logits, _targets(every, tile.rows, tile.columns))]
+    sides = [Side(tile.rows, logits, tile_targets(every, tile.rows, tile.columns, keys))]
     if not tile.diagonal:
-        sides.append(_Side(tile.columns, transposed_copy(logits), _targets(every, tile.columns, tile.rows)))
+        swapped = None if keys is None else (keys[1], keys[0])
+        sides.append(Side(tile.columns, transposed_copy(logits), tile_targets(every, tile.columns, tile.rows, swapped)))
     return sides
 
 
@@ -193,7 +220,30 @@ def gram_pair_sum(
     return _Gram.apply(queries, keys, scale, pairs, weights, wanted)  # type: ignore[no-any-return]
 
 
-class _Gram(torch.autograd.Function):
+class GramFunction(torch.autograd.Function):
+    """A Gram kernel whose gradients (the keys' and the scale's) are formed in forward, saved, scaled in backward.
+
+    Its arguments: ``(queries, keys, scale, pairs, weights, wanted)``; its outputs ``(total, has_positive)``.
+    """
+
+    @staticmethod
+    def saved(
+        ctx: Any, keys: Tensor, scale: Tensor, key_grad: Tensor | None, scale_grad: Tensor | None, has_positive: Tensor
+    ) -> Tensor:
+        """Keep the gradients for backward; return ``has_positive``, marked not differentiable."""
+        ctx.save_for_backward(key_grad, scale_grad)
+        ctx.dtypes = (keys.dtype, scale.dtype)
+        ctx.mark_non_differentiable(has_positive)
+        return has_positive
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx: Any, grad_total: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        key_grad, scale_grad = formed_in_forward(ctx, grad_total)
+        return None, key_grad, scale_grad, None, None, None
+
+
+class _Gram(GramFunction):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, queries: Tensor, keys: Tensor, scale: Tensor, pairs: Pairs, weights: Tensor | None,
@@ -212,10 +262,10 @@ class _Gram(torch.autograd.Function):
 
         # Pass 1: every row's partial state over the pairs this rank forms, merged over the ranks.
         state = family.empty_state(keys.shape[0], scale)
-        kept: list[list[_Side]] = []
+        kept: list[list[Side]] = []
         for tile in formed:
             sides = []
-            for side in _sides(every, tile, logits_of(tile)):
+            for side in sides_of(every, tile, logits_of(tile), keys_of(every, tile)):
                 partial = family.block_state_(side.values, side.targets, side.targets.positive_mask(side.values))
                 family.merge_(state[slice(*side.span)], partial)
                 sides.append(side._replace(partial=partial))
@@ -233,8 +283,11 @@ class _Gram(torch.autograd.Function):
             key_grad = torch.zeros_like(keys, dtype=scale.dtype)  # Σ S Z, unscaled
             grads = Grads(key_grad, None, True, True)  # the rows' products add into the keys' gradient too
             for index, tile in enumerate(formed):
-                sides = kept[index] if keep else _sides(every, tile, logits_of(tile))
-                pair_grad = _pair_gradient(family, sides, state, every_weight)
+                sides = kept[index] if keep else sides_of(every, tile, logits_of(tile), keys_of(every, tile))
+                finals = [state[slice(*side.span)] for side in sides]
+                weights_of = [every_weight if isinstance(every_weight, float) else every_weight[slice(*side.span)]
+                              for side in sides]  # fmt: skip
+                pair_grad = pair_gradient(family, sides, finals, weights_of)
                 rows, columns = keys[slice(*tile.rows)], keys[slice(*tile.columns)]
                 # A diagonal tile takes G Z_A and Gᵀ Z_A apart: summed first, G + Gᵀ rounds the terms of a
                 # pair of positives that cancel (benchmarks/precision.py: gradients 10–30 % less precise).
@@ -242,33 +295,23 @@ class _Gram(torch.autograd.Function):
             # The scale's: ⟨Z, Σ S Z⟩ over this rank's pairs holds each of their logits' ⟨G, P⟩ twice.
             scale_grad = 0.5 * (upcast(keys) * key_grad).sum()
             key_grad.mul_(scale)
-        ctx.save_for_backward(key_grad, scale_grad)
-        ctx.dtypes = (keys.dtype, scale.dtype)
-        has_positive = family.has_positive(own_state)
-        ctx.mark_non_differentiable(has_positive)
-        return total, has_positive
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx: Any, grad_total: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        key_grad, scale_grad = formed_in_forward(ctx, grad_total)
-        return None, key_grad, scale_grad, None, None, None
+        return total, GramFunction.saved(ctx, keys, scale, key_grad, scale_grad, family.has_positive(own_state))
 
 
-def _pair_gradient(family: Family, sides: list[_Side], state: Tensor, weights: Tensor | float) -> Tensor:
-    """``S`` of a pair of tiles from every row's final ``state``: ``G_AB + G_BAᵀ``, or ``G_AA`` on the diagonal.
+def pair_gradient(
+    family: Family, sides: list[Side], finals: list[Tensor], weights: list[Tensor | float]
+) -> Tensor:
+    """``S`` of a pair of tiles: ``G_AB + G_BAᵀ``, or ``G_AA`` on the diagonal.
 
-    ``weights``: every row's (a number: the same for all).
+    ``finals``, ``weights``: each side's rows' final states and weights (a number: the same for all).
     """
     pair_grad = None
-    for side in sides:
-        final = state[slice(*side.span)]
+    for side, final, row_weights in zip(sides, finals, weights, strict=True):
         mask = side.targets.positive_mask(side.values)
         if side.partial is None:
             family.numerators_(side.values, final, side.targets, mask)
         else:
             family.rebase_(side.values, side.partial, final)
-        row_weights = weights if isinstance(weights, float) else weights[slice(*side.span)]
         half = family.gradient_(side.values, final, side.targets, mask, row_weights)
         pair_grad = half if pair_grad is None else pair_grad.add_(half.T)
     assert pair_grad is not None

@@ -24,6 +24,7 @@ from contrastive_dist.losses import _epilogue, _gram
 from contrastive_dist.losses._columns import OneBlock
 from contrastive_dist.losses._fused import weighted_pair_sum
 from contrastive_dist.losses._gram import gram_pair_sum
+from contrastive_dist.losses._gram_ring import gram_ring_pair_sum
 from contrastive_dist.losses._kernel import SIGMOID, Pairs
 from contrastive_dist.losses._recomputed import pair_losses
 from contrastive_dist.losses._sigmoid_ring import sigmoid_ring_pair_sum
@@ -87,12 +88,17 @@ def takes_gram(direction: Direction) -> bool:
     """Whether a Gram loss's weighted sum takes :mod:`._gram` (half the logits, two products).
 
     Where it measured faster (:func:`._gram.worth_it`); not where the fused Triton epilogue serves (its
-    rows-against-columns kernel), not under ``torch.compile``, not with columns held here.
+    rows-against-columns kernel), not under ``torch.compile``, not with columns held here. In ring mode
+    (:mod:`._gram_ring`) the rows must be the columns themselves, this rank's own block.
     """
     pairs = direction.pairs
     if pairs.gram is None or pairs.local_keys is not None or direction.bias is not None:
         return False
-    if torch.compiler.is_compiling() or not _gram.worth_it(direction.queries, direction.keys, len(pairs.key_rows)):
+    ring = not isinstance(pairs.transport, OneBlock)
+    if ring and direction.queries is not direction.keys:
+        return False
+    worth_it = _gram.worth_it(direction.queries, direction.keys, len(pairs.key_rows), ring=ring)
+    if torch.compiler.is_compiling() or not worth_it:
         return False
     return not _epilogue.fused(pairs, direction.queries, direction.keys)
 
@@ -105,8 +111,8 @@ def mean_over_directions(
     The two directions of a symmetric loss (image→text, text→image) are one kernel call whose
     columns have losses of their own (:attr:`Pairs.columns`), in either mode. Gather mode's weighted
     sum forms its gradients in forward (:func:`weighted_pair_sum`, or :func:`gram_pair_sum` for a
-    Gram loss), and so does ring mode's for a sigmoid loss (:func:`sigmoid_ring_pair_sum`); every
-    other case forms them in backward (:func:`pair_losses`).
+    Gram loss), and so does ring mode's for a Gram loss (:func:`gram_ring_pair_sum`) and for a sigmoid
+    loss (:func:`sigmoid_ring_pair_sum`); every other case forms them in backward (:func:`pair_losses`).
 
     Returns:
         The weighted sum ``()`` or the rows ``(n,)``, and whether each row has a loss ``(n,)`` (first direction).
@@ -121,6 +127,10 @@ def mean_over_directions(
                 total, has = gram_pair_sum(direction.queries, direction.keys, direction.scale, direction.pairs, weights)
             else:
                 total, has = weighted_pair_sum(*direction, weights)  # both directions' sum, when symmetric
+            parts.append(total)
+        elif not per_row and takes_gram(direction):  # ring mode
+            queries, keys, scale, _, pairs = direction
+            total, has = gram_ring_pair_sum(queries, keys, scale, pairs, weights)
             parts.append(total)
         elif not per_row and direction.pairs.family is SIGMOID and not torch.compiler.is_compiling():
             total, has = sigmoid_ring_pair_sum(*direction, weights)  # its gradient needs no row state

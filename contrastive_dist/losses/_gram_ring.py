@@ -1,0 +1,162 @@
+"""Gram losses (NT-Xent, SupCon, DCL) in ring mode: each pair of tiles formed once, as the blocks go round.
+
+The pairs are :mod:`._gram`'s, and so is what a pair gives (:func:`._gram.sides_of`,
+:func:`._gram.pair_gradient`); only where the columns are differs. At ring step ``k`` a rank holds the
+block of the rank ``k`` ahead of it (:mod:`contrastive_dist.engine._ring`), and :func:`._gram.tiles`
+gives a pair across two ranks to the one that precedes the other by at most half the ring: so a rank
+forms its pairs in the first half of the ring's steps and nothing in the second (its blocks still pass
+through, for the other ranks). The states of the visiting block's rows, and in pass 2 their gradient,
+are the ring's travelling accumulator: they come home to their owner with every rank's part, with no
+exchange of their own. Two passes round the ring:
+
+1. each formed pair's block gives both of its sides' partial states; each rank's rows' final state is
+   its own part merged with the one that came home;
+2. the blocks go round again with their rows' final states (and weights); each formed pair's block is
+   formed again, ``S = G_AB + G_BAᵀ``, ``dZ_A += S Z_B`` here and ``dZ_B += Sᵀ Z_A`` into the accumulator.
+
+Each rank forms about half of its ``n_r × N`` row block where the rows-against-columns ring
+(:mod:`._recomputed`) forms all of it, twice: half the products (four per pair, on half the pairs).
+Memory: one pair at a time (:data:`RING_TILE_LOGITS`), two blocks of features and a travelling accumulator:
+independent of the number of ranks, as ring mode promises. Used for the weighted sum, where it measured
+faster (:func:`._gram.worth_it`); per-row losses keep :mod:`._recomputed`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from contrastive_dist.engine._ring import Block
+from contrastive_dist.losses._columns import RingBlocks
+from contrastive_dist.losses._gram import GramFunction, Side, Tile, TileKeys, pair_gradient, sides_of, tile_size, tiles
+from contrastive_dist.losses._kernel import (
+    Grads,
+    Pairs,
+    accumulate,
+    block_logits,
+    gradients_wanted,
+    own_block,
+)
+from contrastive_dist.losses._precision import upcast
+
+__all__ = ["RING_TILE_LOGITS", "gram_ring_pair_sum"]
+
+RING_TILE_LOGITS = 2**19
+"""The default tile on the CPU in ring mode: 724 × 724 logits, a pair's block and its copy seen transposed
+within the 2²⁰ logits of the rows-against-columns ring's default chunk, so that ring mode's memory stays
+as it was. Measured (``benchmarks/losses.py --methods ntxent_ring``, n = 2048 per rank, D = 512): peak
+56 / 64 MiB at W = 2 / 4 (the rows-against-columns ring: 57 / 65), against 64 / 73 with 2²⁰ logits and
+80 / 88 with 2²¹ (gather mode's one-process tile), at the same time within the runs' spread."""
+
+
+def gram_ring_pair_sum(
+    queries: Tensor, keys: Tensor, scale: Tensor, pairs: Pairs, weights: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """``Σ_i w_i ℓ_i`` over this rank's rows of a Gram loss (ring mode), gradients formed in forward.
+
+    ``queries`` and ``keys`` are this rank's own rows (the same vectors: ring mode keeps its columns
+    here); :attr:`Pairs.gram` holds the positives and left-out columns of every row of the global
+    matrix, the keys travel with their blocks.
+
+    Returns:
+        The weighted sum and, per row, whether it has a loss.
+
+    Shape:
+        queries, keys: ``(n, D)``; scale: ``()``; weights: ``(n,)``; outputs: ``()``, ``(n,)``.
+    """
+    wanted = gradients_wanted(queries, keys, scale)
+    return _GramRing.apply(queries, keys, scale, pairs, weights, wanted)  # type: ignore[no-any-return]
+
+
+class _Pairs:
+    """The pairs of tiles this rank forms, grouped by the rank whose block holds their columns."""
+
+    def __init__(self, pairs: Pairs, keys: Tensor, scale: Tensor) -> None:
+        assert isinstance(pairs.transport, RingBlocks) and pairs.gram is not None
+        self.pairs, self.keys, self.scale = pairs, keys, scale
+        self.ring = pairs.transport.ring
+        counts = pairs.key_rows
+        self.starts = tuple(itertools.accumulate(counts, initial=0))
+        size = tile_size(pairs.chunk, keys, max(counts, default=0), RING_TILE_LOGITS)
+        self.by_owner: dict[int, list[Tile]] = {}
+        for tile in tiles(counts, self.ring.rank, size):
+            self.by_owner.setdefault(self._owner(tile.columns[0]), []).append(tile)
+
+    def _owner(self, row: int) -> int:
+        return next(rank for rank in range(len(self.starts) - 1) if row < self.starts[rank + 1])
+
+    def _local(self, span: tuple[int, int], owner: int) -> slice:
+        return slice(span[0] - self.starts[owner], span[1] - self.starts[owner])
+
+    def formed(self, owner: int, block: Block) -> Iterator[tuple[list[Side], slice, slice]]:
+        """Each pair of ``owner``'s block: its sides (logits, then values) and its rows here and in the block."""
+        own_keys, block_keys = self.pairs.column_keys, block[1] if self.pairs.column_keys is not None else None
+        for tile in self.by_owner.get(owner, ()):
+            rows, columns = self._local(tile.rows, self.ring.rank), self._local(tile.columns, owner)
+            logits = block_logits(self.keys[rows], block[0][columns], self.scale, None)
+            keys: TileKeys = None
+            if own_keys is not None and block_keys is not None:
+                keys = (own_keys[rows], block_keys[columns])
+            yield sides_of(self.pairs.gram, tile, logits, keys), rows, columns  # type: ignore[arg-type]
+
+
+class _GramRing(GramFunction):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, queries: Tensor, keys: Tensor, scale: Tensor, pairs: Pairs, weights: Tensor | None,
+        wanted: tuple[bool, bool, bool],
+    ) -> tuple[Tensor, Tensor]:
+        family, transport = pairs.family, pairs.transport
+        assert isinstance(transport, RingBlocks)
+        formed, counts = _Pairs(pairs, keys, scale), pairs.key_rows
+        own = own_block(keys, pairs.column_keys)
+        rows: list[tuple[int, ...]] = [counts] * len(own)
+
+        # Pass 1: the partial states of this rank's rows here, of the block's rows in its accumulator.
+        state = family.empty_state(keys.shape[0], scale)
+
+        def states(owner: int, block: Block, travelling: Tensor | None) -> None:
+            assert travelling is not None
+            for sides, here, there in formed.formed(owner, block):
+                for side, target in zip(sides, (state[here], travelling[there])[: len(sides)], strict=True):
+                    partial = family.block_state_(side.values, side.targets, side.targets.positive_mask(side.values))
+                    family.merge_(target, partial)
+
+        home = transport.run(own, rows, states, lambda owner: family.empty_state(counts[owner], scale), family.merge_)
+        assert home is not None
+        family.merge_(state, home)
+        total = family.finish(state)
+        total = total.sum() if weights is None else total @ weights
+
+        key_grad = scale_grad = None
+        if any(wanted):
+            # Pass 2: each pair's S from both sides' final states, and its products.
+            key_grad = torch.zeros_like(keys, dtype=scale.dtype)  # this rank's rows' Σ S Z, unscaled
+            grads = Grads(key_grad, None, True, True)
+            own_weights = None if weights is None else weights.to(state.dtype)
+            extra = (state,) if own_weights is None else (state, own_weights)
+
+            def gradients(owner: int, block: Block, travelling: Tensor | None) -> None:
+                assert travelling is not None
+                block_state = block[len(own)]
+                block_weights = block[len(own) + 1] if own_weights is not None else None
+                for sides, here, there in formed.formed(owner, block):
+                    finals = [state[here], block_state[there]][: len(sides)]
+                    every_weight: list[Tensor | float] = [1.0, 1.0]
+                    if own_weights is not None and block_weights is not None:
+                        every_weight = [own_weights[here], block_weights[there]]
+                    pair_grad = pair_gradient(family, sides, finals, every_weight[: len(sides)])
+                    # A diagonal tile takes G Z_A and Gᵀ Z_A apart, as in gather mode (._gram).
+                    accumulate(pair_grad, keys[here], block[0][there], here.start, grads, travelling[there])
+
+            new_grad = lambda owner: scale.new_zeros((counts[owner], keys.shape[1]))  # noqa: E731
+            home_grad = transport.run((*own, *extra), rows + [counts] * len(extra), gradients, new_grad)
+            assert home_grad is not None
+            # The scale's: Σ ⟨S, Z_A Z_Bᵀ⟩ over this rank's pairs, which is ⟨Z_A, S Z_B⟩: the rows' side here.
+            scale_grad = (upcast(keys) * key_grad).sum()
+            key_grad.add_(home_grad).mul_(scale)
+        return total, GramFunction.saved(ctx, keys, scale, key_grad, scale_grad, family.has_positive(state))
