@@ -167,19 +167,20 @@ GRAM_KINDS = tuple(kind for kind in KINDS if kind.startswith(("ntxent", "supcon"
 
 
 def _ring_tiles(rank: int, world_size: int) -> dict[str, Any]:
-    """The Gram losses' weighted sums in ring mode by pairs of tiles: on every rank, an empty global batch, a subgroup.
+    """The Gram losses in ring mode by pairs of tiles, weighted and per row: on every rank, an empty batch, a subgroup.
 
     Returns each call's value and gradients, and which calls took the tiles.
     """
-    taken, formed = _reduction.gram_ring_pair_sum, []
-    kept = _gram.RING_MIN_DIM
+    taken = _reduction.gram_ring_pair_sum, _reduction.gram_ring_rows
+    kept, formed = _gram.RING_MIN_DIM, []
     outcome: dict[str, Any] = {}
     members, group_shards = [0, 2], (2, 5)
     group = dist.new_group(members)
     try:
         _gram.RING_MIN_DIM = 0  # whatever the width
         for kind in GRAM_KINDS:
-            _reduction.gram_ring_pair_sum = lambda *args, kind=kind: (formed.append(kind), taken(*args))[1]
+            _reduction.gram_ring_pair_sum = lambda *args, kind=kind: (formed.append(kind), taken[0](*args))[1]
+            _reduction.gram_ring_rows = lambda *args, kind=kind: (formed.append(kind), taken[1](*args))[1]
             for name, shards, where in (("ranks", (3, 0, 4), None), ("empty", (0, 0, 0), None),
                                         ("group", group_shards, group)):  # fmt: skip
                 if where is not None and rank not in members:
@@ -187,32 +188,43 @@ def _ring_tiles(rank: int, world_size: int) -> dict[str, Any]:
                 params, data = make_problem(7, sum(shards), torch.float64)
                 at = rank if where is None else members.index(rank)
                 local = {key: _slice(tensor, shards, at) for key, tensor in data.items()}
-                value = package_value(kind, "weighted", params, local, chunk_size=2, communication="ring", group=where)
-                outcome[f"{name} {kind}"] = value_and_grads(value, params)
+                for mode in ("weighted", "none"):
+                    value = package_value(kind, mode, params, local, chunk_size=2, communication="ring", group=where)
+                    _, grads = value_and_grads(objective(value, mode, local["upstream"]), params)
+                    outcome[f"{name} {kind} {mode}"] = (value.detach(), grads)
     finally:
-        _reduction.gram_ring_pair_sum, _gram.RING_MIN_DIM = taken, kept
+        _reduction.gram_ring_pair_sum, _reduction.gram_ring_rows = taken
+        _gram.RING_MIN_DIM = kept
         dist.destroy_process_group(group)
     outcome["formed"] = formed
     return outcome
 
 
 def test_gram_losses_in_ring_mode_take_their_tiles(pool: Callable[[int], WorkerPool]) -> None:
-    # Ring mode's weighted sums of NT-Xent, SupCon and DCL form each pair of tiles once (losses/_gram_ring.py),
-    # as in two cases of four of the matrix above; here every call does, on 3 ranks (one empty), with an
+    # Ring mode's NT-Xent, SupCon and DCL form each pair of tiles once (losses/_gram_ring.py), weighted and per
+    # row, as in two cases of four of the matrix above; here every call does, on 3 ranks (one empty), with an
     # empty global batch, and on a subgroup of ranks {0, 2}.
     per_rank = pool(3).run(_ring_tiles, timeout=120)
     for rank, outcome in enumerate(per_rank):
-        calls = 3 if rank in (0, 2) else 2
+        calls = 6 if rank in (0, 2) else 4
         assert outcome["formed"] == [kind for kind in GRAM_KINDS for _ in range(calls)], rank
     for kind in GRAM_KINDS:
         for name, members, total in (("ranks", (0, 1, 2), 7), ("empty", (0, 1, 2), 0), ("group", (0, 2), 7)):
             params, data = make_problem(7, total, torch.float64)
-            expected, expected_grads = value_and_grads(reference_value(kind, "weighted", params, data), params)
-            results, what = [per_rank[rank][f"{name} {kind}"] for rank in members], f"{name} {kind}"
-            assert_close(sum(value for value, _ in results) / len(members), expected, torch.float64, what)
-            for key, grad in expected_grads.items():
-                averaged = sum(grads[key] for _, grads in results) / len(members)
-                assert_close(averaged, grad, torch.float64, f"{what} d/d{key}")
+            for mode in ("weighted", "none"):
+                reference = reference_value(kind, mode, params, data)
+                expected, expected_grads = value_and_grads(objective(reference, mode, data["upstream"]), params)
+                what = f"{name} {kind} {mode}"
+                results = [per_rank[rank][what] for rank in members]
+                values = [value for value, _ in results]
+                divisor = 1 if mode == "none" else len(members)
+                if mode == "none":  # the ranks' rows in rank order are the global rows
+                    assert_close(torch.cat(values), reference.detach(), torch.float64, what)
+                else:
+                    assert_close(sum(values) / divisor, expected, torch.float64, what)
+                for key, grad in expected_grads.items():
+                    averaged = sum(grads[key] for _, grads in results) / divisor
+                    assert_close(averaged, grad, torch.float64, f"{what} d/d{key}")
 
 
 @pytest.mark.parametrize("route", ROUTES)

@@ -17,8 +17,9 @@ exchange of their own. Two passes round the ring:
 Each rank forms about half of its ``n_r × N`` row block where the rows-against-columns ring
 (:mod:`._recomputed`) forms all of it, twice: half the products (four per pair, on half the pairs).
 Memory: one pair at a time (:data:`RING_TILE_LOGITS`), two blocks of features and a travelling accumulator:
-independent of the number of ranks, as ring mode promises. Used for the weighted sum, where it measured
-faster (:func:`._gram.worth_it`); per-row losses keep :mod:`._recomputed`.
+independent of the number of ranks, as ring mode promises. Where it measured faster (:func:`._gram.worth_it`).
+The weighted sum forms its gradients in forward (:func:`gram_ring_pair_sum`); per-row losses go round a
+third time in backward, with the upstream gradients as the rows' weights (:func:`gram_ring_rows`).
 """
 
 from __future__ import annotations
@@ -37,13 +38,15 @@ from contrastive_dist.losses._kernel import (
     Grads,
     Pairs,
     accumulate,
+    as_input,
     block_logits,
+    first_order_only,
     gradients_wanted,
     own_block,
 )
 from contrastive_dist.losses._precision import upcast
 
-__all__ = ["RING_TILE_LOGITS", "gram_ring_pair_sum"]
+__all__ = ["RING_TILE_LOGITS", "gram_ring_pair_sum", "gram_ring_rows"]
 
 RING_TILE_LOGITS = 2**19
 """The default tile on the CPU in ring mode: 724 × 724 logits, a pair's block and its copy seen transposed
@@ -72,6 +75,19 @@ def gram_ring_pair_sum(
     return _GramRing.apply(queries, keys, scale, pairs, weights, wanted)  # type: ignore[no-any-return]
 
 
+def gram_ring_rows(queries: Tensor, keys: Tensor, scale: Tensor, pairs: Pairs) -> tuple[Tensor, Tensor]:
+    """Each row's loss ``ℓ_i`` of a Gram loss (ring mode), gradients formed in backward.
+
+    As :func:`gram_ring_pair_sum`; backward goes round the ring once more with the upstream gradients as
+    the rows' weights (every rank's backward meets it, as for every ring-mode per-row loss).
+
+    Returns:
+        The rows' losses and whether each row has a loss. Shape: ``(n,)``, ``(n,)``.
+    """
+    wanted = gradients_wanted(queries, keys, scale)
+    return _GramRingRows.apply(queries, keys, scale, pairs, wanted)  # type: ignore[no-any-return]
+
+
 class _Pairs:
     """The pairs of tiles this rank forms, grouped by the rank whose block holds their columns."""
 
@@ -80,6 +96,8 @@ class _Pairs:
         self.pairs, self.keys, self.scale = pairs, keys, scale
         self.ring = pairs.transport.ring
         counts = pairs.key_rows
+        self.own = own_block(keys, pairs.column_keys)  # this rank's travelling block: its rows and their keys
+        self.rows: list[tuple[int, ...]] = [counts] * len(self.own)
         self.starts = tuple(itertools.accumulate(counts, initial=0))
         size = tile_size(pairs.chunk, keys, max(counts, default=0), RING_TILE_LOGITS)
         self.by_owner: dict[int, list[Tile]] = {}
@@ -104,59 +122,95 @@ class _Pairs:
             yield sides_of(self.pairs.gram, tile, logits, keys), rows, columns  # type: ignore[arg-type]
 
 
+def _states(formed: _Pairs) -> Tensor:
+    """Pass 1: this rank's rows' final states, from its pairs and every other rank's (home with their block).
+
+    Shape: ``(n, width)``.
+    """
+    family, keys, scale, counts = formed.pairs.family, formed.keys, formed.scale, formed.pairs.key_rows
+    state = family.empty_state(keys.shape[0], scale)
+
+    def visit(owner: int, block: Block, travelling: Tensor | None) -> None:
+        assert travelling is not None  # the partial states of the block's rows
+        for sides, here, there in formed.formed(owner, block):
+            for side, target in zip(sides, (state[here], travelling[there])[: len(sides)], strict=True):
+                partial = family.block_state_(side.values, side.targets, side.targets.positive_mask(side.values))
+                family.merge_(target, partial)
+
+    new_state = lambda owner: family.empty_state(counts[owner], scale)  # noqa: E731
+    home = formed.pairs.transport.run(formed.own, formed.rows, visit, new_state, family.merge_)
+    assert home is not None
+    family.merge_(state, home)
+    return state
+
+
+def _gradients(formed: _Pairs, state: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Pass 2: the gradients of ``Σ_i w_i ℓ_i`` (``weights`` of this rank's rows; ``None``: 1) from the final states.
+
+    Returns:
+        This rank's rows' gradient, with every rank's part, ``(n, D)``; the scale's, this rank's part ``()``.
+    """
+    family, keys, scale, counts = formed.pairs.family, formed.keys, formed.scale, formed.pairs.key_rows
+    key_grad = torch.zeros_like(keys, dtype=scale.dtype)  # this rank's rows' Σ S Z, unscaled
+    grads = Grads(key_grad, None, True, True)
+    own_weights = None if weights is None else weights.to(state.dtype)
+    extra = (state,) if own_weights is None else (state, own_weights)  # they travel with the block
+    width = len(formed.own)
+
+    def visit(owner: int, block: Block, travelling: Tensor | None) -> None:
+        assert travelling is not None  # the gradient of the block's rows
+        block_state = block[width]
+        block_weights = block[width + 1] if own_weights is not None else None
+        for sides, here, there in formed.formed(owner, block):
+            finals = [state[here], block_state[there]][: len(sides)]
+            every_weight: list[Tensor | float] = [1.0, 1.0]
+            if own_weights is not None and block_weights is not None:
+                every_weight = [own_weights[here], block_weights[there]]
+            pair_grad = pair_gradient(family, sides, finals, every_weight[: len(sides)])
+            # A diagonal tile takes G Z_A and Gᵀ Z_A apart, as in gather mode (._gram).
+            accumulate(pair_grad, keys[here], block[0][there], here.start, grads, travelling[there])
+
+    new_grad = lambda owner: scale.new_zeros((counts[owner], keys.shape[1]))  # noqa: E731
+    rows = formed.rows + [counts] * len(extra)
+    home = formed.pairs.transport.run((*formed.own, *extra), rows, visit, new_grad)
+    assert home is not None
+    # The scale's: Σ ⟨S, Z_A Z_Bᵀ⟩ over this rank's pairs, which is ⟨Z_A, S Z_B⟩: the rows' side here.
+    scale_grad = (upcast(keys) * key_grad).sum()
+    return key_grad.add_(home).mul_(scale), scale_grad
+
+
 class _GramRing(GramFunction):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, queries: Tensor, keys: Tensor, scale: Tensor, pairs: Pairs, weights: Tensor | None,
         wanted: tuple[bool, bool, bool],
     ) -> tuple[Tensor, Tensor]:
-        family, transport = pairs.family, pairs.transport
-        assert isinstance(transport, RingBlocks)
-        formed, counts = _Pairs(pairs, keys, scale), pairs.key_rows
-        own = own_block(keys, pairs.column_keys)
-        rows: list[tuple[int, ...]] = [counts] * len(own)
-
-        # Pass 1: the partial states of this rank's rows here, of the block's rows in its accumulator.
-        state = family.empty_state(keys.shape[0], scale)
-
-        def states(owner: int, block: Block, travelling: Tensor | None) -> None:
-            assert travelling is not None
-            for sides, here, there in formed.formed(owner, block):
-                for side, target in zip(sides, (state[here], travelling[there])[: len(sides)], strict=True):
-                    partial = family.block_state_(side.values, side.targets, side.targets.positive_mask(side.values))
-                    family.merge_(target, partial)
-
-        home = transport.run(own, rows, states, lambda owner: family.empty_state(counts[owner], scale), family.merge_)
-        assert home is not None
-        family.merge_(state, home)
-        total = family.finish(state)
+        formed = _Pairs(pairs, keys, scale)
+        state = _states(formed)
+        total = pairs.family.finish(state)
         total = total.sum() if weights is None else total @ weights
+        key_grad, scale_grad = _gradients(formed, state, weights) if any(wanted) else (None, None)
+        return total, GramFunction.saved(ctx, keys, scale, key_grad, scale_grad, pairs.family.has_positive(state))
 
-        key_grad = scale_grad = None
-        if any(wanted):
-            # Pass 2: each pair's S from both sides' final states, and its products.
-            key_grad = torch.zeros_like(keys, dtype=scale.dtype)  # this rank's rows' Σ S Z, unscaled
-            grads = Grads(key_grad, None, True, True)
-            own_weights = None if weights is None else weights.to(state.dtype)
-            extra = (state,) if own_weights is None else (state, own_weights)
 
-            def gradients(owner: int, block: Block, travelling: Tensor | None) -> None:
-                assert travelling is not None
-                block_state = block[len(own)]
-                block_weights = block[len(own) + 1] if own_weights is not None else None
-                for sides, here, there in formed.formed(owner, block):
-                    finals = [state[here], block_state[there]][: len(sides)]
-                    every_weight: list[Tensor | float] = [1.0, 1.0]
-                    if own_weights is not None and block_weights is not None:
-                        every_weight = [own_weights[here], block_weights[there]]
-                    pair_grad = pair_gradient(family, sides, finals, every_weight[: len(sides)])
-                    # A diagonal tile takes G Z_A and Gᵀ Z_A apart, as in gather mode (._gram).
-                    accumulate(pair_grad, keys[here], block[0][there], here.start, grads, travelling[there])
+class _GramRingRows(torch.autograd.Function):
+    """Per-row losses: pass 1 in forward, pass 2 in backward with the upstream gradients as the rows' weights."""
 
-            new_grad = lambda owner: scale.new_zeros((counts[owner], keys.shape[1]))  # noqa: E731
-            home_grad = transport.run((*own, *extra), rows + [counts] * len(extra), gradients, new_grad)
-            assert home_grad is not None
-            # The scale's: Σ ⟨S, Z_A Z_Bᵀ⟩ over this rank's pairs, which is ⟨Z_A, S Z_B⟩: the rows' side here.
-            scale_grad = (upcast(keys) * key_grad).sum()
-            key_grad.add_(home_grad).mul_(scale)
-        return total, GramFunction.saved(ctx, keys, scale, key_grad, scale_grad, family.has_positive(state))
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, queries: Tensor, keys: Tensor, scale: Tensor, pairs: Pairs, wanted: tuple[bool, bool, bool]
+    ) -> tuple[Tensor, Tensor]:
+        state = _states(_Pairs(pairs, keys, scale))
+        ctx.save_for_backward(keys, scale, state)
+        ctx.pairs, ctx.wanted = pairs, wanted
+        has_positive = pairs.family.has_positive(state)
+        ctx.mark_non_differentiable(has_positive)
+        return pairs.family.finish(state), has_positive
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx: Any, row_grad: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        keys, scale, state = ctx.saved_tensors
+        key_grad, scale_grad = _gradients(_Pairs(ctx.pairs, keys, scale), state, row_grad)
+        want_keys = ctx.wanted[0] or ctx.wanted[1]
+        return None, as_input(key_grad, keys) if want_keys else None, scale_grad if ctx.wanted[2] else None, None, None

@@ -24,7 +24,7 @@ from contrastive_dist.losses import _epilogue, _gram
 from contrastive_dist.losses._columns import OneBlock
 from contrastive_dist.losses._fused import weighted_pair_sum
 from contrastive_dist.losses._gram import gram_pair_sum
-from contrastive_dist.losses._gram_ring import gram_ring_pair_sum
+from contrastive_dist.losses._gram_ring import gram_ring_pair_sum, gram_ring_rows
 from contrastive_dist.losses._kernel import SIGMOID, Pairs
 from contrastive_dist.losses._recomputed import pair_losses
 from contrastive_dist.losses._sigmoid_ring import sigmoid_ring_pair_sum
@@ -85,11 +85,12 @@ class Direction(NamedTuple):
 
 
 def takes_gram(direction: Direction) -> bool:
-    """Whether a Gram loss's weighted sum takes :mod:`._gram` (half the logits, two products).
+    """Whether a Gram loss takes its pairs of tiles (half the logits): :mod:`._gram`, or :mod:`._gram_ring`.
 
     Where it measured faster (:func:`._gram.worth_it`); not where the fused Triton epilogue serves (its
-    rows-against-columns kernel), not under ``torch.compile``, not with columns held here. In ring mode
-    (:mod:`._gram_ring`) the rows must be the columns themselves, this rank's own block.
+    rows-against-columns kernel), not under ``torch.compile``, not with columns held here. Gather mode's
+    tiles serve the weighted sum; ring mode's serve per-row losses too, and need the rows to be the
+    columns themselves (this rank's own block).
     """
     pairs = direction.pairs
     if pairs.gram is None or pairs.local_keys is not None or direction.bias is not None:
@@ -111,8 +112,9 @@ def mean_over_directions(
     The two directions of a symmetric loss (image→text, text→image) are one kernel call whose
     columns have losses of their own (:attr:`Pairs.columns`), in either mode. Gather mode's weighted
     sum forms its gradients in forward (:func:`weighted_pair_sum`, or :func:`gram_pair_sum` for a
-    Gram loss), and so does ring mode's for a Gram loss (:func:`gram_ring_pair_sum`) and for a sigmoid
-    loss (:func:`sigmoid_ring_pair_sum`); every other case forms them in backward (:func:`pair_losses`).
+    Gram loss), and so does ring mode's for a Gram loss (:func:`gram_ring_pair_sum`; its rows:
+    :func:`gram_ring_rows`) and for a sigmoid loss (:func:`sigmoid_ring_pair_sum`); every other case forms
+    them in backward (:func:`pair_losses`).
 
     Returns:
         The weighted sum ``()`` or the rows ``(n,)``, and whether each row has a loss ``(n,)`` (first direction).
@@ -122,15 +124,17 @@ def mean_over_directions(
     count = 0  # directions: a call whose columns have losses of their own counts twice
     for direction in directions:
         symmetric = direction.pairs.columns is not None
-        if not per_row and isinstance(direction.pairs.transport, OneBlock):
+        ring = not isinstance(direction.pairs.transport, OneBlock)
+        if not per_row and not ring:
             if takes_gram(direction):
                 total, has = gram_pair_sum(direction.queries, direction.keys, direction.scale, direction.pairs, weights)
             else:
                 total, has = weighted_pair_sum(*direction, weights)  # both directions' sum, when symmetric
             parts.append(total)
-        elif not per_row and takes_gram(direction):  # ring mode
+        elif ring and takes_gram(direction):
             queries, keys, scale, _, pairs = direction
-            total, has = gram_ring_pair_sum(queries, keys, scale, pairs, weights)
+            total, has = gram_ring_rows(queries, keys, scale, pairs) if per_row else gram_ring_pair_sum(
+                queries, keys, scale, pairs, weights)  # fmt: skip
             parts.append(total)
         elif not per_row and direction.pairs.family is SIGMOID and not torch.compiler.is_compiling():
             total, has = sigmoid_ring_pair_sum(*direction, weights)  # its gradient needs no row state
