@@ -27,7 +27,8 @@ rank (``negatives=``, with gradient; the texts rolled by one row), gathered or s
 ``clip_*ids_mask_chunk256`` / ``clip_*ids_positive_chunk256`` pass sample ids (one id per 4 rows,
 overlapping between neighbouring ranks) with ``same_id="mask"`` / ``"positive"``.
 ``ntxent*`` rows are ``NTXentLoss`` (temperature 0.5) on the same pairs as two views, gathered or
-``*_ring``; ``lightly_ntxent`` is lightly's on the same inputs.
+``*_ring``, ``*_none`` with ``reduction="none"`` (summed and scaled like the mean); ``lightly_ntxent`` is
+lightly's on the same inputs.
 ``--by-ranks METHOD`` ends with one table of peak memory and time against W, with ratios to METHOD;
 ``--plot PATH`` draws the same rows (every equal-size run) as a figure of memory and time against W.
 
@@ -85,6 +86,7 @@ METHODS = (
     "ntxent_chunk256",
     "ntxent_ring",
     "ntxent_ring_chunk256",
+    "ntxent_ring_none",
     "lightly_ntxent",
 )
 EQUAL_SIZES_ONLY = {"open_clip_local", "open_clip_default", "lightly_ntxent"}
@@ -159,7 +161,17 @@ def _build(method: str, rank: int, world_size: int, dim: int) -> Callable[..., t
         )
     if method.startswith("ntxent"):
         chunk = int(method.split("chunk")[1]) if "chunk" in method else None
-        ntxent = NTXentLoss(chunk_size=chunk, communication="ring" if "_ring" in method else "gather")
+        communication = "ring" if "_ring" in method else "gather"
+        if method.endswith("_none"):  # per-sample losses, summed and scaled like the mean: the same loss
+            rows = NTXentLoss(communication=communication, reduction="none")
+
+            def ntxent_rows(images: torch.Tensor, texts: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+                total = images.new_tensor(float(images.shape[0]))
+                dist.all_reduce(total)
+                return rows(images, texts).sum() * (world_size / total)
+
+            return ntxent_rows
+        ntxent = NTXentLoss(chunk_size=chunk, communication=communication)
         return lambda images, texts, scale: ntxent(images, texts)
     if method.startswith("open_clip"):
         try:
