@@ -88,12 +88,12 @@ def gram_ring_rows(queries: Tensor, keys: Tensor, scale: Tensor, pairs: Pairs) -
     return _GramRingRows.apply(queries, keys, scale, pairs, wanted)  # type: ignore[no-any-return]
 
 
-class _Pairs:
+class _RankPairs:
     """The pairs of tiles this rank forms, grouped by the rank whose block holds their columns."""
 
     def __init__(self, pairs: Pairs, keys: Tensor, scale: Tensor) -> None:
         assert isinstance(pairs.transport, RingBlocks) and pairs.gram is not None
-        self.pairs, self.keys, self.scale = pairs, keys, scale
+        self.pairs, self.keys, self.scale, self.every = pairs, keys, scale, pairs.gram
         self.ring = pairs.transport.ring
         counts = pairs.key_rows
         self.own = own_block(keys, pairs.column_keys)  # this rank's travelling block: its rows and their keys
@@ -110,7 +110,7 @@ class _Pairs:
     def _local(self, span: tuple[int, int], owner: int) -> slice:
         return slice(span[0] - self.starts[owner], span[1] - self.starts[owner])
 
-    def formed(self, owner: int, block: Block) -> Iterator[tuple[list[Side], slice, slice]]:
+    def of_block(self, owner: int, block: Block) -> Iterator[tuple[list[Side], slice, slice]]:
         """Each pair of ``owner``'s block: its sides (logits, then values) and its rows here and in the block."""
         own_keys, block_keys = self.pairs.column_keys, block[1] if self.pairs.column_keys is not None else None
         for tile in self.by_owner.get(owner, ()):
@@ -119,49 +119,49 @@ class _Pairs:
             keys: TileKeys = None
             if own_keys is not None and block_keys is not None:
                 keys = (own_keys[rows], block_keys[columns])
-            yield sides_of(self.pairs.gram, tile, logits, keys), rows, columns  # type: ignore[arg-type]
+            yield sides_of(self.every, tile, logits, keys), rows, columns
 
 
-def _states(formed: _Pairs) -> Tensor:
+def _states(rank_pairs: _RankPairs) -> Tensor:
     """Pass 1: this rank's rows' final states, from its pairs and every other rank's (home with their block).
 
     Shape: ``(n, width)``.
     """
-    family, keys, scale, counts = formed.pairs.family, formed.keys, formed.scale, formed.pairs.key_rows
+    family, keys, scale, counts = rank_pairs.pairs.family, rank_pairs.keys, rank_pairs.scale, rank_pairs.pairs.key_rows
     state = family.empty_state(keys.shape[0], scale)
 
     def visit(owner: int, block: Block, travelling: Tensor | None) -> None:
         assert travelling is not None  # the partial states of the block's rows
-        for sides, here, there in formed.formed(owner, block):
+        for sides, here, there in rank_pairs.of_block(owner, block):
             for side, target in zip(sides, (state[here], travelling[there])[: len(sides)], strict=True):
                 partial = family.block_state_(side.values, side.targets, side.targets.positive_mask(side.values))
                 family.merge_(target, partial)
 
     new_state = lambda owner: family.empty_state(counts[owner], scale)  # noqa: E731
-    home = formed.pairs.transport.run(formed.own, formed.rows, visit, new_state, family.merge_)
+    home = rank_pairs.pairs.transport.run(rank_pairs.own, rank_pairs.rows, visit, new_state, family.merge_)
     assert home is not None
     family.merge_(state, home)
     return state
 
 
-def _gradients(formed: _Pairs, state: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
+def _gradients(rank_pairs: _RankPairs, state: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
     """Pass 2: the gradients of ``Σ_i w_i ℓ_i`` (``weights`` of this rank's rows; ``None``: 1) from the final states.
 
     Returns:
         This rank's rows' gradient, with every rank's part, ``(n, D)``; the scale's, this rank's part ``()``.
     """
-    family, keys, scale, counts = formed.pairs.family, formed.keys, formed.scale, formed.pairs.key_rows
+    family, keys, scale, counts = rank_pairs.pairs.family, rank_pairs.keys, rank_pairs.scale, rank_pairs.pairs.key_rows
     key_grad = torch.zeros_like(keys, dtype=scale.dtype)  # this rank's rows' Σ S Z, unscaled
     grads = Grads(key_grad, None, True, True)
     own_weights = None if weights is None else weights.to(state.dtype)
     extra = (state,) if own_weights is None else (state, own_weights)  # they travel with the block
-    width = len(formed.own)
+    width = len(rank_pairs.own)
 
     def visit(owner: int, block: Block, travelling: Tensor | None) -> None:
         assert travelling is not None  # the gradient of the block's rows
         block_state = block[width]
         block_weights = block[width + 1] if own_weights is not None else None
-        for sides, here, there in formed.formed(owner, block):
+        for sides, here, there in rank_pairs.of_block(owner, block):
             finals = [state[here], block_state[there]][: len(sides)]
             every_weight: list[Tensor | float] = [1.0, 1.0]
             if own_weights is not None and block_weights is not None:
@@ -171,8 +171,8 @@ def _gradients(formed: _Pairs, state: Tensor, weights: Tensor | None) -> tuple[T
             accumulate(pair_grad, keys[here], block[0][there], here.start, grads, travelling[there])
 
     new_grad = lambda owner: scale.new_zeros((counts[owner], keys.shape[1]))  # noqa: E731
-    rows = formed.rows + [counts] * len(extra)
-    home = formed.pairs.transport.run((*formed.own, *extra), rows, visit, new_grad)
+    rows = rank_pairs.rows + [counts] * len(extra)
+    home = rank_pairs.pairs.transport.run((*rank_pairs.own, *extra), rows, visit, new_grad)
     assert home is not None
     # The scale's: Σ ⟨S, Z_A Z_Bᵀ⟩ over this rank's pairs, which is ⟨Z_A, S Z_B⟩: the rows' side here.
     scale_grad = (upcast(keys) * key_grad).sum()
@@ -185,11 +185,11 @@ class _GramRing(GramFunction):
         ctx: Any, queries: Tensor, keys: Tensor, scale: Tensor, pairs: Pairs, weights: Tensor | None,
         wanted: tuple[bool, bool, bool],
     ) -> tuple[Tensor, Tensor]:
-        formed = _Pairs(pairs, keys, scale)
-        state = _states(formed)
+        rank_pairs = _RankPairs(pairs, keys, scale)
+        state = _states(rank_pairs)
         total = pairs.family.finish(state)
         total = total.sum() if weights is None else total @ weights
-        key_grad, scale_grad = _gradients(formed, state, weights) if any(wanted) else (None, None)
+        key_grad, scale_grad = _gradients(rank_pairs, state, weights) if any(wanted) else (None, None)
         return total, GramFunction.saved(ctx, keys, scale, key_grad, scale_grad, pairs.family.has_positive(state))
 
 
@@ -200,7 +200,7 @@ class _GramRingRows(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, queries: Tensor, keys: Tensor, scale: Tensor, pairs: Pairs, wanted: tuple[bool, bool, bool]
     ) -> tuple[Tensor, Tensor]:
-        state = _states(_Pairs(pairs, keys, scale))
+        state = _states(_RankPairs(pairs, keys, scale))
         ctx.save_for_backward(keys, scale, state)
         ctx.pairs, ctx.wanted = pairs, wanted
         has_positive = pairs.family.has_positive(state)
@@ -211,6 +211,6 @@ class _GramRingRows(torch.autograd.Function):
     @first_order_only
     def backward(ctx: Any, row_grad: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         keys, scale, state = ctx.saved_tensors
-        key_grad, scale_grad = _gradients(_Pairs(ctx.pairs, keys, scale), state, row_grad)
+        key_grad, scale_grad = _gradients(_RankPairs(ctx.pairs, keys, scale), state, row_grad)
         want_keys = ctx.wanted[0] or ctx.wanted[1]
         return None, as_input(key_grad, keys) if want_keys else None, scale_grad if ctx.wanted[2] else None, None, None
