@@ -60,8 +60,8 @@ and ``nt_xent`` / ``supcon`` at n = 2048–4096): 0.82–0.87× the rows-against
 D = 512, 0.87–1.14× at D = 128 and 256."""
 RING_MIN_DIM = 256
 """The same in ring mode (:mod:`._gram_ring`), where the tiles save more (half of every block's products):
-measured (``benchmarks/floor.py`` and ``losses.py``, two and four ranks, ``nt_xent`` / ``supcon``): 0.67–0.78× the
-rows-against-columns ring's time at D = 512, 0.82–0.93× at D = 256, 0.96–1.11× at D = 128."""
+measured (``benchmarks/floor.py`` and ``losses.py``, two and four ranks, ``nt_xent`` / ``supcon``): 0.67–0.79× the
+rows-against-columns ring's time at D = 512, 0.70–0.93× at D = 256, 0.96–1.11× at D = 128."""
 ONE_PROCESS = True
 """Only without other ranks: across ranks the tiles' exchange of states is one more collective in the
 middle of the forward, which measured 0.93–1.04× at best and up to 1.6× with more threads than cores
