@@ -7,6 +7,7 @@ errors of float64 — for every loss, in gather mode and in ring mode alike.
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 from collections.abc import Callable
 
@@ -186,3 +187,24 @@ def test_losses_without_gradients_equal_the_losses_with_them(communication: str)
             with_grad = call()
             with torch.no_grad():
                 assert torch.equal(call(), with_grad.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_softplus_sums_are_within_an_ulp_of_log1p(dtype: torch.dtype) -> None:
+    """SigLIP's row sums, from ``log`` corrected for the rounding of ``1 + e``, against ``log1p`` in float64.
+
+    Margins from ``−87`` to ``87`` (where float32's ``exp(−|m|)`` is still normal) and tiny ones near 0;
+    infinities and NaN as ``F.softplus`` gives them.
+    """
+    from contrastive_dist.losses._sigmoid import softplus_sums
+
+    tiny = torch.logspace(-30, 1.9, 20_001, dtype=torch.float64)
+    margins = torch.cat([torch.linspace(-87, 87, 100_001, dtype=torch.float64), tiny, -tiny]).to(dtype)
+    exact = margins.double().clamp(min=0) + torch.log1p(torch.exp(-margins.double().abs()))
+    ours = softplus_sums(margins[:, None])[:, 0].double()
+    relative = ((ours - exact).abs() / exact).max().item()
+    # One ulp of the result (two half-ulps), plus the float64 reference's own rounding in float64.
+    assert relative <= 2 * torch.finfo(dtype).eps, relative
+    special = torch.tensor([[math.inf], [-math.inf], [math.nan], [0.0]], dtype=dtype)
+    assert_same = torch.testing.assert_close
+    assert_same(softplus_sums(special)[:, 0], F.softplus(special)[:, 0], equal_nan=True)

@@ -14,7 +14,6 @@ driver runs both families over both transports.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from contrastive_dist.losses._same_key import SameKey
@@ -51,7 +50,29 @@ def block_state_(logits: Tensor, targets: Targets, positive_mask: SameKey | None
     Shape:
         logits: ``(c, m)``; output: ``(c, 1)``.
     """
-    return F.softplus(numerators_(logits, None, targets, positive_mask)).sum(dim=1, keepdim=True)
+    return softplus_sums(numerators_(logits, None, targets, positive_mask))
+
+
+def softplus_sums(margins: Tensor) -> Tensor:
+    """Each row's ``Σ_j softplus(m_ij)``, from one ``exp`` and one ``log`` per entry.
+
+    ``softplus(m) = max(m, 0) + log1p(e)`` with ``e = exp(−|m|)``; ``log1p(e)`` is ``log(u)`` of
+    ``u = 1 + e`` corrected by the rounding of that sum, ``δ = e − (u − 1)`` (exact), as
+    ``log(u) + δ / u``: within an ulp or two of ``log1p``, and for ``e`` below half an ulp of 1
+    (``u = 1``) exactly ``e``. Why not ``F.softplus``: torch's CPU ``log1p`` ran 6× slower than its
+    ``log`` on the development machine (AVX-512, torch 2.14), half of SigLIP's CPU epilogue.
+
+    Shape:
+        margins: ``(c, m)``; output: ``(c, 1)``.
+    """
+    small = margins.abs().neg_().exp_()  # e
+    total = small.add(1.0).sub_(1.0)  # u − 1: exact, as is every step to the log
+    small.sub_(total)  # δ
+    total += 1.0  # u
+    small /= total  # δ / u
+    total.log_().add_(small)
+    total += torch.clamp_min(margins, 0.0, out=small)
+    return total.sum(dim=1, keepdim=True)
 
 
 def merged(states: Tensor) -> Tensor:
