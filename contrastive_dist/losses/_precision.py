@@ -14,7 +14,8 @@ accumulators would overflow (fp16) or drift by percents over many blocks (bf16).
   in float32; only the order of the float32 additions may differ). A block's logit gradient is
   rounded to the features' dtype before its two products, as flash attention rounds its
   probabilities: the gradients handed back to bf16/fp16 features carry that dtype's precision anyway.
-* bf16 / fp16 features on CPU: upcast to float32 first (CPU matmuls have no fast half path).
+* bf16 / fp16 features on CPU: upcast to float32 first (a half product with a float32 result,
+  ``torch.mm(..., out_dtype=float32)``, runs on CUDA only).
 * torch before 2.8 has no ``torch.mm(..., out_dtype=)``: there every product upcasts its two
   operands first (the same numbers, without the tensor-core speed). :func:`product_route` says
   which route a call takes.
