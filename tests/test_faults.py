@@ -29,6 +29,7 @@ from contrastive_dist.engine._faults import PeerFailureError, is_transport_failu
 from contrastive_dist.testing import RemoteError, WorkerPool
 
 DYING_RANK = 1
+FIRST_SURVIVOR, LAST_SURVIVOR = 2, 0  # the first exits after its error, the last then fails again
 SIZES = (3, 2, 4)  # rows per rank; the gather and the ring both talk to every rank at W = 3
 
 
@@ -37,35 +38,52 @@ def _record(out_dir: str, rank: int, entry: dict[str, object]) -> None:
 
 
 def _dies_between_forward_and_backward(rank: int, world_size: int, out_dir: str, case: str) -> None:
-    """One step; the dying rank exits after the forward; the others record their error and exit too."""
+    """One step; the dying rank exits after the forward; the others record their error and exit too.
+
+    The last survivor first waits until the other has exited after its error, and tries another step
+    on the broken group: its second error must still name the rank that died, not the one that left.
+    """
     torch.manual_seed(rank)
-    if case == "SyncBatchNorm":
-        layer = SyncBatchNorm(4)
-        x = torch.randn(SIZES[rank], 4, 3, requires_grad=True)
-        loss = layer(x).square().sum()
-    else:
+
+    def forward() -> torch.Tensor:
+        if case == "SyncBatchNorm":
+            return SyncBatchNorm(4)(torch.randn(SIZES[rank], 4, 3, requires_grad=True)).square().sum()
         image = torch.randn(SIZES[rank], 8, requires_grad=True)
         text = torch.randn(SIZES[rank], 8, requires_grad=True)
-        loss = info_nce(image, text, communication=case)
+        return info_nce(image, text, communication=case)
+
+    loss = forward()
     if rank == DYING_RANK:
         _record(out_dir, rank, {"died_at": time.time()})
         os._exit(17)  # as a process does after an uncaught error (out of memory in the backward, say)
     start = time.monotonic()
+    entry = _outcome(loss.backward)
+    entry.update(seconds=time.monotonic() - start, stopped_at=time.time())
+    if rank == LAST_SURVIVOR:
+        other = Path(out_dir, f"rank{FIRST_SURVIVOR}.json")
+        deadline = time.monotonic() + 30.0
+        while not other.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # it exits right after writing its record
+        entry["again"] = _outcome(forward)
+    _record(out_dir, rank, entry)
+    os._exit(0)  # a training script ends on such an error: its connections close, freeing its peers
+
+
+def _outcome(call: Callable[[], object]) -> dict[str, object]:
+    """What ``call`` raised (its type, message, suspects, cause), or ``{"error": None}``."""
     try:
-        loss.backward()
-        entry: dict[str, object] = {"error": None}
+        call()
     except Exception as error:  # noqa: BLE001 - recorded for the test, whatever it is
         cause = error.__cause__
-        entry = {
+        return {
             "error": type(error).__name__,
             "message": str(error),
             "suspects": list(getattr(error, "suspects", [])),
             "timed_out": getattr(error, "timed_out", None),
             "cause": f"{type(cause).__name__}: {cause}" if cause is not None else None,
         }
-    entry.update(seconds=time.monotonic() - start, stopped_at=time.time())
-    _record(out_dir, rank, entry)
-    os._exit(0)  # a training script ends on such an error: its connections close, freeing its peers
+    return {"error": None}
 
 
 OPERATIONS = {
@@ -103,6 +121,10 @@ def test_a_rank_that_exits_between_forward_and_backward_is_named_on_every_other_
     # Every survivor names the dead rank alone, whichever peer its own transfer waited on.
     named = [record["suspects"] for record in records.values()]
     assert named == [[DYING_RANK]] * len(records), named
+    # Failing again on the broken group, after the other survivor left: still the rank that died.
+    again = records[LAST_SURVIVOR]["again"]
+    assert again["error"] == "PeerFailureError" and again["suspects"] == [DYING_RANK], again
+    assert "rank 1 is gone" in again["message"], again
     stopped = max(record["stopped_at"] for record in records.values()) - died_at
     print(
         f"{case}: every rank stopped {stopped:.2f} s after rank {DYING_RANK} exited; "

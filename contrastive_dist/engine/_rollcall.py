@@ -16,6 +16,8 @@ timeout. So on a failure the ranks ask one another, through the group's c10d sto
 3. After :data:`ROLL_CALL_S` seconds (or as soon as every rank answered), the ranks that did not
    answer are *gone*: their process exited or was killed. The first rank to know publishes the
    verdict, so every rank names the same ranks, and a waiting rank then raises instead of waiting.
+4. A group that lost ranks stays broken, so a rank that fails on it again names the same ranks
+   without a new roll call: survivors that have exited since, after their own error, are not the cause.
 
 Nothing is written to the store unless something failed (the thread's reads cost nothing on the
 wire of the collectives). Without a store (a backend or launcher that has none), the roll call
@@ -178,6 +180,11 @@ def _parse(verdict: bytes) -> tuple[int, ...]:
 
 def _roll_call(record: _Watched, incident: int) -> tuple[int, ...]:
     store = record.store
+    lost = next((gone for gone in record.verdicts.values() if gone), ())
+    if incident == 0 and lost:
+        # The group lost these ranks and stays broken: a later failure on it is the same one. A new roll
+        # call would also name the survivors that have exited since, after their own error.
+        return lost
     if incident == 0:
         latest = _answer(record)
         if latest and latest not in record.verdicts:
