@@ -190,7 +190,7 @@ def test_losses_without_gradients_equal_the_losses_with_them(communication: str)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_softplus_sums_are_within_an_ulp_of_log1p(dtype: torch.dtype) -> None:
+def test_softplus_sums_are_within_two_ulps_of_log1p(dtype: torch.dtype) -> None:
     """SigLIP's row sums, from ``log`` corrected for the rounding of ``1 + e``, against ``log1p`` in float64.
 
     Margins from ``−87`` to ``87`` (where float32's ``exp(−|m|)`` is still normal) and tiny ones near 0;
@@ -203,8 +203,7 @@ def test_softplus_sums_are_within_an_ulp_of_log1p(dtype: torch.dtype) -> None:
     exact = margins.double().clamp(min=0) + torch.log1p(torch.exp(-margins.double().abs()))
     ours = softplus_sums(margins[:, None])[:, 0].double()
     relative = ((ours - exact).abs() / exact).max().item()
-    # One ulp of the result (two half-ulps), plus the float64 reference's own rounding in float64.
+    # Two ulps: measured 1.4 in float32 (F.softplus: 1.0), and in float64 the reference rounds too.
     assert relative <= 2 * torch.finfo(dtype).eps, relative
     special = torch.tensor([[math.inf], [-math.inf], [math.nan], [0.0]], dtype=dtype)
-    assert_same = torch.testing.assert_close
-    assert_same(softplus_sums(special)[:, 0], F.softplus(special)[:, 0], equal_nan=True)
+    torch.testing.assert_close(softplus_sums(special)[:, 0], F.softplus(special)[:, 0], equal_nan=True)

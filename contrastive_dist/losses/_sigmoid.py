@@ -66,7 +66,7 @@ def softplus_sums(margins: Tensor) -> Tensor:
         margins: ``(c, m)``; output: ``(c, 1)``.
     """
     small = margins.abs().neg_().exp_()  # e
-    total = small.add(1.0).sub_(1.0)  # u − 1: exact, as is every step to the log
+    total = small.add(1.0).sub_(1.0)  # u − 1 of u = 1 + e rounded: exact, as is every step to the log
     small.sub_(total)  # δ
     total += 1.0  # u
     small /= total  # δ / u
