@@ -28,6 +28,8 @@ SIGLIP_BYTES_PER_LOGIT = 16
 """SigLIP's epilogue: at most this many bytes read and written per logit, forward + backward."""
 INFONCE_BYTES_PER_LOGIT = 24
 """Symmetric InfoNCE's epilogue, both directions, per logit of its ``n × n`` matrix."""
+EAGER_SIGLIP_BYTES_PER_LOGIT = 80
+"""SigLIP's eager chain (float16 features, chunks of :data:`CHUNK` rows): 78 bytes per logit today."""
 LAUNCHES_PER_CHUNK_VISIT = 12
 """Epilogue launches per chunk of rows meeting a block of columns, forward + backward."""
 
@@ -222,6 +224,15 @@ def test_epilogue_bytes_per_logit(loss: str, target: float, chunk: int | None, r
 @pytest.mark.parametrize("loss", LOSSES)
 def test_epilogue_launches_per_chunk_visit(loss: str, reduction: str) -> None:
     assert launches_per_chunk_visit(loss, torch.bfloat16, reduction=reduction) <= LAUNCHES_PER_CHUNK_VISIT
+
+
+def test_the_eager_chain_on_a_gpu_takes_softplus_in_one_pass() -> None:
+    """float16 features keep the eager chain on a GPU: SigLIP's row sums there are ``F.softplus``, one pass.
+
+    The CPU's route to them (``exp`` and ``log``, :func:`~contrastive_dist.losses._sigmoid.softplus_sums`)
+    takes a dozen passes: on the CUDA path it would read and write 182 bytes per logit instead of 78.
+    """
+    assert bytes_per_logit("siglip", CHUNK, torch.float16) <= EAGER_SIGLIP_BYTES_PER_LOGIT
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)

@@ -14,6 +14,7 @@ driver runs both families over both transports.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from contrastive_dist.losses._same_key import SameKey
@@ -54,17 +55,21 @@ def block_state_(logits: Tensor, targets: Targets, positive_mask: SameKey | None
 
 
 def softplus_sums(margins: Tensor) -> Tensor:
-    """Each row's ``Σ_j softplus(m_ij)``, from one ``exp`` and one ``log`` per entry.
+    """Each row's ``Σ_j softplus(m_ij)``; on the CPU from one ``exp`` and one ``log`` per entry.
 
     ``softplus(m) = max(m, 0) + log1p(e)`` with ``e = exp(−|m|)``; ``log1p(e)`` is ``log(u)`` of
     ``u = 1 + e`` corrected by the rounding of that sum, ``δ = e − (u − 1)`` (exact), as
     ``log(u) + δ / u``: within an ulp or two of ``log1p``, and for ``e`` below half an ulp of 1
-    (``u = 1``) exactly ``e``. Why not ``F.softplus``: torch's CPU ``log1p`` ran 6× slower than its
-    ``log`` on the development machine (AVX-512, torch 2.14), half of SigLIP's CPU epilogue.
+    (``u = 1``) exactly ``e``. Why not ``F.softplus`` there: torch's CPU ``log1p`` ran 6× slower than
+    its ``log`` on the development machine (AVX-512, torch 2.14), half of SigLIP's CPU epilogue.
+    Elsewhere (a GPU's eager chain: float16) ``F.softplus`` is one kernel, and these passes would
+    more than double the chain's memory traffic (``tests/test_traffic.py``'s counter, float16).
 
     Shape:
         margins: ``(c, m)``; output: ``(c, 1)``.
     """
+    if margins.device.type != "cpu":
+        return F.softplus(margins).sum(dim=1, keepdim=True)
     small = margins.abs().neg_().exp_()  # e
     total = small.add(1.0).sub_(1.0)  # u − 1 of u = 1 + e rounded: exact, as is every step to the log
     small.sub_(total)  # δ
