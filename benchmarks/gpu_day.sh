@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The first GPU day in one call: machine facts, the GPU check (exactness on CUDA, speed and memory,
-# siglip-kernel measured beside ours and open_clip on the same GPU), every file under $OUT, and a
-# short summary as the last lines of output.
+# The first GPU day in one call: machine facts, the fused-loss tests on CUDA's compiled kernels, the
+# GPU check (exactness on CUDA, speed and memory, siglip-kernel measured beside ours and open_clip on
+# the same GPU), every file under $OUT, and a short summary as the last lines of output.
 #
 # Runs from a bare checkout: the package is not installed, PYTHONPATH is set to the checkout. The
 # libraries compared against come as wheels from $GPU_DAY_WHEELS (default .whl/, git-ignored; fill
@@ -15,7 +15,8 @@
 #   OUT=/tmp/out bash benchmarks/gpu_day.sh        # sized for about 6 minutes on one H200
 #
 # Variables: OUT (default gpu_day_out/), GPU_DAY_WHEELS, GPU_DAY_BUDGET (seconds of measurement,
-# default 300), GPU_DAY_DRY_RUN, PYTHON (default python3).
+# default 300), GPU_DAY_TEST_SECONDS (the fused-loss checks on CUDA, default 150), GPU_DAY_DRY_RUN,
+# PYTHON (default python3).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -33,6 +34,7 @@ mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 LOG="$OUT/gpu_day.log"
 BUDGET="${GPU_DAY_BUDGET:-300}"
+TEST_SECONDS="${GPU_DAY_TEST_SECONDS:-150}"
 START=$SECONDS
 cd "$REPO" || exit 1
 export PYTHONUNBUFFERED=1 OUT
@@ -107,6 +109,14 @@ if [[ $CUDA_STATUS -ne 0 ]]; then
     echo "== gpu_day: done in $((SECONDS - START)) s (no CUDA: nothing measured); files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
     return 0
 fi
+
+echo "== the fused-loss checks on this GPU's compiled kernels (tests/test_losses_fused_epilogue.py)"
+# The checks the suite runs in Triton's interpreter on the CPU, here on CUDA tensors: every loss kind,
+# reduction and product route against the float64 loops; the whole log comes back as cuda_tests.log.
+CONTRASTIVE_DIST_FUSED_LOSS_CHECKS=1 CONTRASTIVE_DIST_TEST_DEVICE=cuda timeout --kill-after=10 "$TEST_SECONDS" \
+    "$PYTHON" -m pytest tests/test_losses_fused_epilogue.py -k test_fused_path -q -p no:cacheprovider \
+    -o addopts="-ra" --tb=short >"$OUT/cuda_tests.log" 2>&1
+echo "cuda tests: exit status $? (124: stopped at $TEST_SECONDS s): $(tail -n 1 "$OUT/cuda_tests.log")"
 
 echo "== gpu_check: one GPU, measurement budget $BUDGET s"
 # The check stops measuring at its budget; the timeout is the backstop that keeps the summary below.

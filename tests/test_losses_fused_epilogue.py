@@ -7,7 +7,12 @@ losses); here the same path runs on CPU tensors under
 the variable when it is first imported): :func:`test_in_interpreter` runs this file's checks there.
 Each check counts the fused ops it called, so that a silent fall back to the eager chain fails it.
 The reference is independent of the code under test: the plain float64 loops of
-``tests/loss_references.py``.
+``tests/loss_references.py``, on the CPU.
+
+On a GPU the same single-process checks run on its compiled kernels (``benchmarks/gpu_day.sh`` does)::
+
+    CONTRASTIVE_DIST_FUSED_LOSS_CHECKS=1 CONTRASTIVE_DIST_TEST_DEVICE=cuda \
+        python -m pytest tests/test_losses_fused_epilogue.py -k test_fused_path
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from contrastive_dist.testing import WorkerPool  # noqa: E402
 _CHILD = "CONTRASTIVE_DIST_FUSED_LOSS_CHECKS"
 """Set in the interpreter's process: the checks run there, and only there."""
 interpreted = pytest.mark.skipif(os.environ.get(_CHILD) != "1", reason="run by test_in_interpreter, in its process")
+DEVICE = torch.device(os.environ.get("CONTRASTIVE_DIST_TEST_DEVICE", "cpu"))
+"""Where the losses run: the CPU (under the interpreter), or a GPU (its compiled kernels)."""
 _OPS = ("sigmoid_block", "softmax_state", "softmax_grad", "softmax_block")
 
 
@@ -80,20 +87,25 @@ def _kind(kind: str) -> tuple[str, str]:
 
 
 def _problem(dtype: torch.dtype, total: int = 37, seed: int = 1) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Leaf parameters and data on :data:`DEVICE`."""
     params, data = make_problem(seed=seed, total=total, dtype=dtype)
-    return params, {name: tensor.to(dtype) if tensor.is_floating_point() else tensor for name, tensor in data.items()}
+    params = {name: tensor.detach().to(DEVICE).requires_grad_() for name, tensor in params.items()}
+    return params, {name: (tensor.to(dtype) if tensor.is_floating_point() else tensor).to(DEVICE)
+                    for name, tensor in data.items()}
 
 
 def _shared_negatives(dtype: torch.dtype) -> Tensor:
     generator = torch.Generator().manual_seed(9)
-    return torch.nn.functional.normalize(torch.randn(5, 5, generator=generator, dtype=torch.float64), dim=-1).to(dtype)
+    negatives = torch.nn.functional.normalize(torch.randn(5, 5, generator=generator, dtype=torch.float64), dim=-1)
+    return negatives.to(dtype)
 
 
 def _reference(kind: str, mode: str, params: dict[str, Tensor], data: dict[str, Tensor]) -> tuple[Tensor, dict]:
-    """The plain float64 loops on the same (rounded) values."""
+    """The plain float64 loops on the same (rounded) values, on the CPU."""
     kind, same_id = _kind(kind)
-    params64 = {name: tensor.detach().double().requires_grad_() for name, tensor in params.items()}
-    data64 = {name: tensor.double() if tensor.is_floating_point() else tensor for name, tensor in data.items()}
+    params64 = {name: tensor.detach().cpu().double().requires_grad_() for name, tensor in params.items()}
+    data64 = {name: tensor.cpu() for name, tensor in data.items()}
+    data64 = {name: tensor.double() if tensor.is_floating_point() else tensor for name, tensor in data64.items()}
     shared = kind == "clip_shared_negatives"
     negatives = _shared_negatives(params["w_text"].dtype).double() if shared else None
     value = reference_value("clip" if shared else kind, mode, params64, data64, negatives=negatives, same_id=same_id)
@@ -103,7 +115,7 @@ def _reference(kind: str, mode: str, params: dict[str, Tensor], data: dict[str, 
 def _package(kind: str, mode: str, params: dict[str, Tensor], data: dict[str, Tensor], **options: object) -> Tensor:
     kind, options["same_id"] = _kind(kind)
     if kind == "clip_shared_negatives":
-        shared = SharedNegatives(_shared_negatives(params["w_text"].dtype))
+        shared = SharedNegatives(_shared_negatives(params["w_text"].dtype).to(DEVICE))
         return package_value("clip", mode, params, data, negatives=shared, **options)  # type: ignore[arg-type]
     return package_value(kind, mode, params, data, **options)  # type: ignore[arg-type]
 
@@ -132,10 +144,10 @@ def test_fused_path_equals_the_float64_reference(
     # gradient (many positives per row) loses more there, on either path: the eager chain's own error
     # on these problems reaches 1.8e-2 of the largest entry.
     rtol = 1e-5 if dtype == torch.float32 else (2**-5 if kind.startswith("supcon") else 2**-6)
-    torch.testing.assert_close(value.detach().double(), expected, rtol=rtol, atol=rtol * 1e-3)
+    torch.testing.assert_close(value.detach().cpu().double(), expected, rtol=rtol, atol=rtol * 1e-3)
     for name, grad in grads.items():
         reference = expected_grads[name]
-        assert float((grad.double() - reference).abs().max()) <= rtol * float(reference.abs().max()), name
+        assert float((grad.cpu().double() - reference).abs().max()) <= rtol * float(reference.abs().max()), name
 
 
 MODES = ("mean", "weighted", "none")
