@@ -23,8 +23,9 @@ One GPU: every method's value and gradients (features, the learnable ``logit_sca
 ``logit_bias``) against a float64 reference, in bf16, TF32 and fp32, and ours with sample ids
 (``same_id="mask"``; one sample in 50 shares its neighbour's id) in both modes; then forward+backward time
 (CUDA events, the median of up to 50 steps, at least 20 for steps under ``--point-seconds / 20``) and
-peak memory at global batch 16k–128k, D = 768: ``info_nce`` and ``siglip`` in gather mode with
-``chunk_size`` 1024 and 4096 and in ring mode (one block on one rank), against open_clip's
+peak memory at global batch 16k–128k, D = 768: ``info_nce`` and ``siglip`` in gather mode called by
+default (``chunk_size=None``) and with ``chunk_size`` 1024 and 4096 (``--chunk-sizes``), and in ring
+mode by default (one block on one rank), with the host's time to issue a step, against open_clip's
 ``ClipLoss`` / ``SigLipLoss`` and, for bf16 SigLIP, siglip-kernel (Triton) on the same GPU, each
 until its first out-of-memory. The ``compute`` column says how each multiplies (ours: the route the
 core resolves here). Then every bf16 SigLIP method at B = 65,536 over siglip-kernel measured live.
@@ -154,6 +155,11 @@ def _run_under_torchrun(cuda: bool, sizes: Sizes, args: argparse.Namespace) -> i
     return int(any(row.get("check") == "section failed" for row in rows))
 
 
+def _chunk_size(text: str) -> int | None:
+    """``--chunk-sizes`` entries: a number of rows, or ``default`` (the loss's own rule)."""
+    return None if text == "default" else int(text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--out", default=os.environ.get(OUT_VARIABLE) or DEFAULT_OUT,
@@ -164,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="auto: CUDA if present, otherwise one line and exit 0")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (what the test suite runs on CPU)")
     parser.add_argument("--batches", type=int, nargs="+", help="one-GPU global batches (default 16k 32k 64k 128k)")
+    parser.add_argument("--chunk-sizes", nargs="+", type=_chunk_size,
+                        help="our chunk sizes, 'default' for chunk_size=None (default: default 1024 4096)")
     parser.add_argument("--precisions", nargs="+", choices=("bf16", "fp32", "tf32"),
                         help="one-GPU precisions, in this order (default bf16 fp32 tf32)")
     parser.add_argument("--time-budget", type=float, default=480.0, help="seconds; later measurements are skipped")
@@ -189,6 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes = replace(sizes, batches=tuple(args.batches))
     if args.precisions:
         sizes = replace(sizes, precisions=tuple(args.precisions))
+    if args.chunk_sizes:
+        sizes = replace(sizes, chunk_sizes=tuple(args.chunk_sizes))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return _run_under_torchrun(cuda, sizes, args)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

@@ -31,6 +31,7 @@ from gpu_check_summary import ANCHOR_BATCH
 OPEN_CLIP_MISSING = "skipped: open_clip is not installed (pip install open_clip_torch, or its wheels: gpu_day.sh)"
 SIGLIP_KERNEL_MISSING = "skipped: siglip-kernel is not installed (pip install siglip-kernel, or its wheel: gpu_day.sh)"
 SIGLIP_KERNEL_CUDA = "skipped: siglip-kernel runs on CUDA only (Triton)"
+DEFAULT_CHUNK = "default"  # the chunk cell of our default call (chunk_size=None: the core's rule)
 ANCHOR = "siglip-kernel"  # the method every SigLIP row is compared with at ANCHOR_BATCH, measured on the same GPU
 
 
@@ -42,9 +43,10 @@ class Method(NamedTuple):
     missing: str = ""
 
 
-def methods(loss: str, precision: Precision, device: torch.device, chunk_sizes: Sequence[int]) -> list[Method]:
-    """open_clip, ours in gather mode per chunk size, ours in ring mode (one rank: one block), then
-    siglip-kernel for bf16 SigLIP (its default entry point, and its minimum-memory chunk 1024)."""
+def methods(loss: str, precision: Precision, device: torch.device, chunk_sizes: Sequence[int | None]) -> list[Method]:
+    """open_clip, ours in gather mode per chunk size (``None``: the default call), ours in ring mode at the
+    first (one rank: one block), then siglip-kernel for bf16 SigLIP (its default entry point, and its
+    minimum-memory chunk 1024)."""
     found = [Method("open_clip", None, open_clip_loss(loss), precision.open_clip, OPEN_CLIP_MISSING)]
     compute = precision.ours(device)
     found += [Method("ours gather", chunk, ours(loss, chunk_size=chunk), compute) for chunk in chunk_sizes]
@@ -59,8 +61,10 @@ def methods(loss: str, precision: Precision, device: torch.device, chunk_sizes: 
 
 
 def _row(loss: str, method: Method, precision: Precision, batch: int | None) -> Row:
+    ours_by_default = method.label.startswith("ours") and method.chunk_size is None
     return {"check": f"{loss}: {method.label}", "dtype": str(precision.dtype).removeprefix("torch."), "batch": batch,
-            "compute": method.compute, "chunk_size": method.chunk_size, "ranks": 1}
+            "compute": method.compute, "chunk_size": DEFAULT_CHUNK if ours_by_default else method.chunk_size,
+            "ranks": 1}
 
 
 def exactness(device: torch.device, sizes: Sizes, precision: Precision, loss: str) -> Iterator[Row]:
@@ -124,7 +128,7 @@ def speed(device: torch.device, sizes: Sizes, precision: Precision, loss: str, d
             elif batch in open_clip_ms:
                 ratio = timing.time_ms / open_clip_ms[batch]
             yield {**row, "time_ms": timing.time_ms, "peak_mib": timing.peak_mib, "repeats": timing.repeats,
-                   "ratio": ratio}
+                   "ratio": ratio, "note": f"host {timing.host_ms:.1f} ms a step"}
         release(device)
 
 
@@ -156,7 +160,8 @@ def anchor(measured: Sequence[Row]) -> Iterator[Row]:
             if row is base:
                 continue
             peak = row["peak_mib"] / base["peak_mib"] if base.get("peak_mib") else float("nan")
-            yield {"check": f"{row['check']} / {ANCHOR} (live)", "dtype": "bfloat16", "batch": ANCHOR_BATCH,
+            chunk = "" if row.get("chunk_size") is None else f" (chunk {row['chunk_size']})"
+            yield {"check": f"{row['check']}{chunk} / {ANCHOR} (live)", "dtype": "bfloat16", "batch": ANCHOR_BATCH,
                    "chunk_size": row.get("chunk_size"), "ratio": row["time_ms"] / base["time_ms"],
                    "note": f"time ratio, same GPU, same protocol; peak ratio {peak:.2f}"}
     yield from PUBLISHED

@@ -36,7 +36,7 @@ class Sizes:
     dim: int = 768
     exact_batch: int = 4096  # one GPU: every method against float64
     batches: tuple[int, ...] = (16384, 32768, 65536, 131072)  # one GPU: time and memory
-    chunk_sizes: tuple[int, ...] = (1024, 4096)
+    chunk_sizes: tuple[int | None, ...] = (None, 1024, 4096)  # None: the default call (its chunk rule)
     precisions: tuple[str, ...] = ("bf16", "fp32", "tf32")
     exact_rows: int = 16  # several GPUs: float64 checks, about this many rows per rank, one rank empty
     scale_rows: int = 1024  # several GPUs: bf16 features against float64, rows per rank, one rank empty
@@ -174,6 +174,7 @@ class Timing:
     time_ms: float
     peak_mib: float  # NaN where the device has no memory counters (CPU)
     repeats: int
+    host_ms: float  # the host's time to issue one step (CUDA: the timed steps' loop over their number)
 
 
 def measure(step: Callable[[], object], device: torch.device, *, leaves: Sequence[Tensor] = (),
@@ -212,14 +213,16 @@ def measure(step: Callable[[], object], device: torch.device, *, leaves: Sequenc
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     start_bytes = torch.cuda.memory_allocated(device) if cuda else 0
-    times = []
+    times, issued_s = [], 0.0
     if cuda:
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+        issued_s = time.perf_counter()
         for begin, end in events:
             clear()
             begin.record()
             step()
             end.record()
+        issued_s = time.perf_counter() - issued_s  # the host's time alone: no synchronisation in the loop
         torch.cuda.synchronize(device)
         times = [begin.elapsed_time(end) for begin, end in events]
     else:
@@ -230,7 +233,9 @@ def measure(step: Callable[[], object], device: torch.device, *, leaves: Sequenc
             times.append((time.perf_counter() - begin_s) * 1e3)
     peak = (torch.cuda.max_memory_allocated(device) - start_bytes) / 2**20 if cuda else float("nan")
     clear()
-    return Timing(agreed_max(statistics.median(times), device, group), agreed_max(peak, device, group), repeats)
+    host_ms = issued_s * 1e3 / repeats if cuda else statistics.median(times)
+    return Timing(agreed_max(statistics.median(times), device, group), agreed_max(peak, device, group), repeats,
+                  agreed_max(host_ms, device, group))
 
 
 def agreed_max(value: float, device: torch.device, group: dist.ProcessGroup | None = None) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import csv
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 Row = dict[str, Any]  # as gpu_check_report's; this file runs alone too (no torch needed)
@@ -75,8 +75,13 @@ def _fit(lines: list[str]) -> list[str]:
     return kept
 
 
-_NUMBERS = {"ranks": int, "batch": int, "chunk_size": int, "repeats": int, "time_ms": float, "peak_mib": float,
-            "ratio": float, "max_error": float}
+def _chunk(value: str) -> int | str:
+    return int(value) if value.isdigit() else value  # a number of rows, or "default"
+
+
+_NUMBERS: dict[str, Callable[[str], object]] = {
+    "ranks": int, "batch": int, "chunk_size": _chunk, "repeats": int, "time_ms": float, "peak_mib": float,
+    "ratio": float, "max_error": float}
 
 
 def rows_from_csv(path: str) -> list[Row]:
