@@ -34,6 +34,7 @@ from torch import Tensor
 from contrastive_dist.losses._columns import OneBlock
 from contrastive_dist.losses._kernel import (
     BLOCK_LOGITS,
+    CUDA_BLOCK_LOGITS,
     Family,
     Grads,
     Pairs,
@@ -143,7 +144,7 @@ def tile_size(chunk: int | None, queries: Tensor, columns: int, cpu_budget: int 
         >>> tile_size(None, torch.zeros(0), 8192), tile_size(256, torch.zeros(0), 8192)
         (1448, 1024)
     """
-    budget = (BLOCK_LOGITS if queries.is_cuda else cpu_budget) if chunk is None else chunk * columns // 2
+    budget = (CUDA_BLOCK_LOGITS if queries.is_cuda else cpu_budget) if chunk is None else chunk * columns // 2
     return max(1, math.isqrt(budget))
 
 
