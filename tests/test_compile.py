@@ -88,7 +88,7 @@ an idle machine, 113 s for all of them."""
 GROUP_SECONDS = 840
 """How long a group's 2 ranks may take. The checks run at idle priority (``tests/background.py``), so
 they get the CPU time the suite leaves: beside a busy suite a group of ten chunked cases once took 250 s
-of wall time for 14 s of work. A hang is still found within this, inside the 900 s that
+of wall time for 28 s of work. A hang is still found within this, inside the 900 s that
 :func:`test_in_a_process_of_its_own` waits after the suite."""
 
 
