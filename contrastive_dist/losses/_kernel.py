@@ -218,6 +218,8 @@ def default_chunk(rows: int, columns: int, budget: int = BLOCK_LOGITS, least: in
         (4096, 256, 10)
         >>> default_chunk(4096, 8192, CPU_BLOCK_LOGITS, CPU_CHUNK_ROWS)
         256
+        >>> default_chunk(8192, 65536, CUDA_BLOCK_LOGITS), default_chunk(65536, 131072, CUDA_BLOCK_LOGITS)
+        (4096, 2048)
     """
     if rows * columns <= budget:
         return max(rows, 1)
