@@ -30,8 +30,14 @@ INFONCE_BYTES_PER_LOGIT = 24
 """Symmetric InfoNCE's epilogue, both directions, per logit of its ``n × n`` matrix."""
 EAGER_SIGLIP_BYTES_PER_LOGIT = 80
 """SigLIP's eager chain (float16 features, chunks of :data:`CHUNK` rows): 78 bytes per logit today."""
-LAUNCHES_PER_CHUNK_VISIT = 12
-"""Epilogue launches per chunk of rows meeting a block of columns, forward + backward."""
+LAUNCHES_PER_CHUNK_VISIT = {
+    ("info_nce", "mean"): 6, ("info_nce", "none"): 7, ("siglip", "mean"): 1, ("siglip", "none"): 3,
+    ("nt_xent", "mean"): 1, ("nt_xent", "none"): 2, ("supcon", "mean"): 1, ("supcon", "none"): 3,
+}
+"""Epilogue launches per chunk of rows meeting a block of columns, forward + backward: at most today's
+counts (the target was 12). Each launch costs a GPU's host about as much as a small chunk's work: the
+per-chunk results (states, the bias's row sums, the has-positive flags) are joined once, not copied
+chunk by chunk (SigLIP's mean took 6 launches a chunk that way, InfoNCE's 9)."""
 
 ROWS, DIM, CHUNK = 4096, 192, 256
 """Counting sizes: samples, feature dimension, rows per chunk of the chunked call. ``D / N`` is small, as
@@ -223,7 +229,8 @@ def test_epilogue_bytes_per_logit(loss: str, target: float, chunk: int | None, r
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("loss", LOSSES)
 def test_epilogue_launches_per_chunk_visit(loss: str, reduction: str) -> None:
-    assert launches_per_chunk_visit(loss, torch.bfloat16, reduction=reduction) <= LAUNCHES_PER_CHUNK_VISIT
+    launches = launches_per_chunk_visit(loss, torch.bfloat16, reduction=reduction)
+    assert launches <= LAUNCHES_PER_CHUNK_VISIT[loss, reduction]
 
 
 def test_the_eager_chain_on_a_gpu_takes_softplus_in_one_pass() -> None:

@@ -23,6 +23,7 @@ from contrastive_dist.losses import _epilogue as epilogue
 from contrastive_dist.losses._columns import EVERY_RANK
 from contrastive_dist.losses._kernel import (
     Pairs,
+    RowSums,
     accumulate,
     block_logits,
     chunk_budget,
@@ -80,14 +81,17 @@ class _FusedOneBlock(torch.autograd.Function):
         row_indices = epilogue.row_indices(pairs, own_start, column_keys)
         kept = None
         block: Any = None  # the columns' side of a chunk: (product, their positives) fused, a ColumnBlock eager
+        # The fused path's per-chunk results, joined once after the loop rather than copied chunk by chunk:
+        # each launch costs the host as much as a small chunk's GPU work.
+        fused_states: list[Tensor] = []
+        row_sums = RowSums(grads)
 
         def chunk_weights(start: int, stop: int) -> Tensor | float:
             return 1.0 if weights is None else weights[start:stop]
 
         def finish_block(logit_grad: Tensor, start: int, grad_sums: Tensor | None) -> None:
-            bias_sum = None if grad_sums is None else grad_sums.sum()
-            accumulate(logit_grad, queries[start : start + logit_grad.shape[0]], block_keys, start, grads, key_grad,
-                       bias_sum=bias_sum)  # fmt: skip
+            accumulate(logit_grad, queries[start : start + logit_grad.shape[0]], block_keys, start,
+                       row_sums.grads_for(grad_sums), key_grad)  # fmt: skip
 
         # Pass 1: every row's state (final: the block holds every column) and the columns' partial states.
         for start, stop in spans:
@@ -103,7 +107,7 @@ class _FusedOneBlock(torch.autograd.Function):
                 state, grad_sums = epilogue.row_state(
                     family, logits, scale, bias, indices, chunk_weights(start, stop), logit_grad
                 )
-                row_state[start:stop] = state
+                fused_states.append(state)
             else:
                 targets = pairs.rows.block(own_start, start, stop, column_keys)
                 logits = block_logits(queries[start:stop], block_keys, scale, bias)
@@ -120,6 +124,8 @@ class _FusedOneBlock(torch.autograd.Function):
                 finish_block(logit_grad, start, grad_sums)
             elif logit_grad is not None:  # the whole block, kept for after the exchange
                 kept = (logit_grad, block)
+        if fused_states:
+            row_state = (fused_states[0] if whole else torch.cat(fused_states)).to(row_state.dtype)
         total = _weighted(family.finish(row_state), weights)
         if pairs.columns is not None:
             partial = family.merged(torch.stack(column_parts)) if column_parts else family.empty_state(columns, scale)
@@ -153,16 +159,18 @@ class _FusedOneBlock(torch.autograd.Function):
                     partial_here = partial if kept is not None else None
                     logit_grad[:, :columns] += column_gradient(pairs, block, final, column_weights, partial_here).T
                 finish_block(logit_grad, start, None)
+        row_sums.add()
         query_grad, scale_grad = scaled(grads, queries, scale)
         if key_grad is not None:
             key_grad = key_grad[: keys.shape[0]].mul_(scale)
         ctx.save_for_backward(query_grad, key_grad, scale_grad, grads.bias)
         ctx.dtypes = (queries.dtype, keys.dtype, scale.dtype, scale.dtype)
-        # Filled chunk by chunk: derived from the whole state at once, these flags made the compiled
-        # graph of a rank without rows hang (SupCon, shards (3, 0), tests/test_compile.py).
-        has_positive = torch.zeros(queries.shape[0], dtype=torch.bool, device=queries.device)
-        for start, stop in spans:
-            has_positive[start:stop] = family.has_positive(row_state[start:stop])
+        # A rank without rows takes plain zeros: derived from its empty state, these flags made its
+        # compiled graph hang (SupCon, shards (3, 0), tests/test_compile.py).
+        if spans:
+            has_positive = family.has_positive(row_state)
+        else:
+            has_positive = torch.zeros(queries.shape[0], dtype=torch.bool, device=queries.device)
         ctx.mark_non_differentiable(has_positive)
         return total, has_positive
 

@@ -40,6 +40,7 @@ __all__ = [
     "Family",
     "Grads",
     "Pairs",
+    "RowSums",
     "accumulate",
     "block_rows",
     "chunk_budget",
@@ -274,22 +275,20 @@ def accumulate(
     start: int,
     grads: Grads,
     key_grad: Tensor | None,
-    *,
-    bias_sum: Tensor | None = None,
 ) -> None:
     """From ``G = ∂(Σ w ℓ)/∂logits`` of rows ``start:`` against ``keys``: add every input's gradient, unscaled.
 
     The queries' ``G K`` (into ``grads.query``), the keys' ``Gᵀ Q`` (into ``key_grad``), the bias's
-    ``Σ G`` (``bias_sum``, when the epilogue that formed ``G`` summed it too). The logits' scale ``s``
-    multiplies both products: it is applied once, after the last block (:func:`scaled`; the keys'
-    accumulator by its owner), which also forms the scale's gradient ``Σ Q ⊙ (G K)``. The accumulators
-    are in the core's dtype; half operands multiply ``G`` rounded to their dtype. In float16, whose
-    range is narrow, ``G`` is first multiplied by a power of two that brings its largest entry to
-    [½, 1) and the products are divided by it: the row weights folded into ``G`` (upstream
-    gradients ≈ 1/N) would otherwise push its entries below float16's smallest numbers.
+    ``Σ G`` (into ``grads.bias``; where the epilogue summed ``G``'s rows, :class:`RowSums` adds them).
+    The logits' scale ``s`` multiplies both products: it is applied once, after the last block
+    (:func:`scaled`; the keys' accumulator by its owner), which also forms the scale's gradient
+    ``Σ Q ⊙ (G K)``. The accumulators are in the core's dtype; half operands multiply ``G`` rounded to
+    their dtype. In float16, whose range is narrow, ``G`` is first multiplied by a power of two that
+    brings its largest entry to [½, 1) and the products are divided by it: the row weights folded into
+    ``G`` (upstream gradients ≈ 1/N) would otherwise push its entries below float16's smallest numbers.
     """
     if grads.bias is not None:
-        grads.bias.add_(logit_grad.sum() if bias_sum is None else bias_sum)
+        grads.bias.add_(logit_grad.sum())
     half = _half(queries, keys)
     if not half and queries.dtype != keys.dtype:  # a block held here in another dtype (a float32 queue)
         queries, keys = upcast(queries), upcast(keys)
@@ -301,6 +300,43 @@ def accumulate(
             add_product_(accumulator, first, second)
         else:
             accumulator.add_(product(first, second).mul_(unscale))
+
+
+class RowSums:
+    """The bias's gradient from the fused epilogue's row sums of ``G``, chunk after chunk, added in one launch.
+
+    Summed and added chunk by chunk they would cost two launches each, and a launch costs the host as
+    much as a small chunk's work on a GPU.
+
+    Example:
+        >>> import torch
+        >>> grads = Grads(None, torch.zeros(()), False, False)
+        >>> sums = RowSums(grads)
+        >>> sums.grads_for(torch.ones(2)).bias is None, sums.grads_for(torch.ones(3)).bias is None
+        (True, True)
+        >>> sums.add(); grads.bias
+        tensor(5.)
+    """
+
+    def __init__(self, grads: Grads) -> None:
+        self.grads = grads
+        self.parts: list[Tensor] = []
+
+    def grads_for(self, grad_sums: Tensor | None) -> Grads:
+        """What :func:`accumulate` takes for a block whose rows' ``Σ_j G_ij`` are ``grad_sums``.
+
+        The sums are kept here and the bias left out; ``None``: no sums, the bias from ``G``.
+        """
+        if grad_sums is None:
+            return self.grads
+        self.parts.append(grad_sums)
+        return self.grads._replace(bias=None)
+
+    def add(self) -> None:
+        """Add the kept sums to the bias's gradient (once, after the last block)."""
+        if self.parts and self.grads.bias is not None:
+            self.grads.bias.add_((self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)).sum())
+        self.parts.clear()
 
 
 def _rows(grads: Grads, start: int, queries: Tensor) -> Tensor | None:

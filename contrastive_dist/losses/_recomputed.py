@@ -33,6 +33,7 @@ from contrastive_dist.losses._kernel import (
     LOCAL,
     Grads,
     Pairs,
+    RowSums,
     accumulate,
     as_input,
     block_logits,
@@ -290,6 +291,7 @@ def _fused_gradients(
     columns = 0 if columns_here is None else columns_here.shape[0]
     if columns_here is not None and columns:  # the columns' final states and upstream gradients, travelling
         column_state, upstream = columns_here[:, :-1].contiguous(), columns_here[:, -1].to(torch.float32)
+    row_sums = RowSums(grads)
     for start, stop in spans:
         product = epilogue.raw_product(queries[start:stop], block_keys)
         logit_grad = epilogue.grad_buffer(product, queries, keep=columns > 0)
@@ -300,5 +302,5 @@ def _fused_gradients(
             indices = epilogue.column_indices(pairs, start, stop, own_start, column_keys, columns)
             epilogue.gradient(family, product[:, :columns].T, scale, bias, column_state, indices, upstream,
                               logit_grad[:, :columns].T, accumulate=True)  # fmt: skip
-        bias_sum = None if grad_sums is None else grad_sums.sum()
-        accumulate(logit_grad, queries[start:stop], block_keys, start, grads, key_grad, bias_sum=bias_sum)
+        accumulate(logit_grad, queries[start:stop], block_keys, start, row_sums.grads_for(grad_sums), key_grad)
+    row_sums.add()

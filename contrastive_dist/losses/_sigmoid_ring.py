@@ -21,6 +21,7 @@ from contrastive_dist.engine._ring import Block
 from contrastive_dist.losses import _epilogue as epilogue
 from contrastive_dist.losses._kernel import (
     Pairs,
+    RowSums,
     accumulate,
     block_logits,
     block_rows,
@@ -64,6 +65,7 @@ class _SigmoidRing(torch.autograd.Function):
         grads = grads_for(queries, scale, want_query, want_scale, want_bias)
         row_sums = family.empty_state(queries.shape[0], scale)
         budget, any_grad = chunk_budget(queries), any(wanted)
+        bias_sums = RowSums(grads)  # the fused epilogue's row sums of G, over every chunk of every block
 
         def visit(owner: int, block: Block, key_grad: Tensor | None) -> None:
             block_keys, column_keys = block[0], block[1] if len(block) > 1 else None
@@ -81,8 +83,8 @@ class _SigmoidRing(torch.autograd.Function):
                     sums, grad_sums = epilogue.row_state(family, logits, scale, bias, indices, row_weights, logit_grad)
                     family.merge_(row_sums[start:stop], sums)
                     if logit_grad is not None and grad_sums is not None:
-                        accumulate(logit_grad, queries[start:stop], block_keys, start, grads, key_grad,
-                                   bias_sum=grad_sums.sum())  # fmt: skip
+                        accumulate(logit_grad, queries[start:stop], block_keys, start, bias_sums.grads_for(grad_sums),
+                                   key_grad)  # fmt: skip
                     continue
                 logits = block_logits(queries[start:stop], block_keys, scale, bias)
                 targets = pairs.rows.block(own_start, start, stop, column_keys)
@@ -97,6 +99,7 @@ class _SigmoidRing(torch.autograd.Function):
             key_rows, dim = pairs.key_rows, keys.shape[1]
             new_key_grad = lambda owner: scale.new_zeros((key_rows[owner], dim))  # noqa: E731
         key_grad = transport.run(own_block(keys, pairs.column_keys), block_rows(pairs), visit, new_key_grad)
+        bias_sums.add()
         rows = family.finish(row_sums)
         total = rows.sum() if weights is None else rows @ weights
         query_grad, scale_grad = scaled(grads, queries, scale)
