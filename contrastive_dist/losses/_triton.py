@@ -45,9 +45,10 @@ softmax_block      P twice (8), G (2 / 4)                      10 / 12          
 =================  ==========================================  ===============  ==========================
 
 Outputs are allocated empty (no fill launch); the per-row reads (targets, weights, state) add
-``O(c)`` bytes. On CUDA the kernels take libdevice's ``exp`` and ``log1p`` (within 2 ulp of the
-eager ones) and IEEE divisions; under ``TRITON_INTERPRET=1`` (tests, on CPU tensors) numpy's, with
-``log1p`` formed from ``log``.
+``O(c)`` bytes. Per logit the kernels take fast arithmetic (the hardware's ``exp2`` and approximate
+division, ``log1p`` from a series: a few ulp of float32, see :mod:`._triton_kernels`); under
+``TRITON_INTERPRET=1`` (tests, on CPU tensors) the same formulas run in numpy. Each kernel's tile
+and warps come from :func:`._triton_launch.tile`.
 """
 
 import math
@@ -119,10 +120,11 @@ def sigmoid_block(
     rows, columns = product.shape
     if not (rows and columns):
         return product.new_zeros(rows), product.new_zeros(rows)
-    splits, span = launch.span(product, splits)
+    program = launch.tile(product, "sigmoid")
+    tile_rows, tile_columns, warps = program
+    splits, span = launch.span(product, splits, program)
     # Every slot is written by the kernel (grad_sums zeros without grad): no fill launch.
     sums, grad_sums = product.new_empty((splits, rows)), product.new_empty((splits, rows))
-    tile_rows, tile_columns = launch.tile(product)
     g_strides = grad.stride() if grad is not None else (0, 0)
     with launch.on(product):
         kernels.sigmoid_kernel[(math.ceil(rows / tile_rows), splits)](
@@ -130,7 +132,7 @@ def sigmoid_block(
             weights, grad, *g_strides, sums, grad_sums, rows, columns, span,
             **launch.flags(bias, positive, excluded, row_keys, column_keys, keys_positive),
             HAS_W=weights is not None, WRITE_G=grad is not None,
-            BR=tile_rows, BC=tile_columns, ACCURATE=not launch.interpreting(),
+            BR=tile_rows, BC=tile_columns, num_warps=warps,
         )  # fmt: skip
     return (sums[0], grad_sums[0]) if splits == 1 else (sums.sum(0), grad_sums.sum(0))
 
@@ -154,9 +156,10 @@ def softmax_state(
     """
     launch.check(product, scale, bias, {"positive": positive, "excluded": excluded}, row_keys, column_keys)
     rows, columns = product.shape
-    splits, span = launch.span(product, splits)
+    program = launch.tile(product, "state")
+    tile_rows, tile_columns, warps = program
+    splits, span = launch.span(product, splits, program)
     state = product.new_empty((rows, 5))
-    tile_rows, tile_columns = launch.tile(product)
     if not rows:
         return state
     grid = (math.ceil(rows / tile_rows), splits)
@@ -166,13 +169,12 @@ def softmax_state(
         kernels.state_kernel[grid](
             product, *product.stride(), scale, bias, positive, excluded, *launch.keys(row_keys, column_keys), out,
             rows, columns, span,
-            **targets, SINGLE=splits == 1, BR=tile_rows, BC=tile_columns, ACCURATE=not launch.interpreting(),
+            **targets, SINGLE=splits == 1, BR=tile_rows, BC=tile_columns, num_warps=warps,
         )  # fmt: skip
         if splits > 1:
             kernels.finish_kernel[grid[:1]](
                 out, splits, positive, excluded, state, rows, columns, HAS_POS=targets["HAS_POS"],
                 HAS_EXCL=targets["HAS_EXCL"], KEY_RULE=targets["KEY_RULE"], BR=tile_rows,
-                ACCURATE=not launch.interpreting(),
             )  # fmt: skip
     return state
 
@@ -198,7 +200,7 @@ def softmax_grad(
     launch.check(product, scale, bias, {"positive": positive, "excluded": excluded, "weights": weights,
                                         "state": state, "grad": grad}, row_keys, column_keys)  # fmt: skip
     rows, columns = product.shape
-    tile_rows, tile_columns = launch.tile(product)
+    tile_rows, tile_columns, warps = launch.tile(product, "grad")
     if not (rows and columns):
         return
     with launch.on(product):
@@ -206,7 +208,7 @@ def softmax_grad(
             product, *product.stride(), scale, bias, state, positive, excluded, *launch.keys(row_keys, column_keys),
             weights, grad, *grad.stride(), rows, columns,
             **launch.flags(bias, positive, excluded, row_keys, column_keys, keys_positive), HAS_W=weights is not None,
-            ACCUMULATE=accumulate, BR=tile_rows, BC=tile_columns, ACCURATE=not launch.interpreting(),
+            ACCUMULATE=accumulate, BR=tile_rows, BC=tile_columns, num_warps=warps,
         )  # fmt: skip
 
 
@@ -232,7 +234,7 @@ def softmax_block(
                  row_keys, column_keys)  # fmt: skip
     rows, columns = product.shape
     state = product.new_empty((rows, 5))
-    tile_rows, tile_columns = launch.tile(product, whole_rows=True)
+    tile_rows, tile_columns, warps = launch.tile(product, "block")
     if not rows:
         return state
     with launch.on(product):
@@ -240,7 +242,7 @@ def softmax_block(
             product, *product.stride(), scale, bias, positive, excluded, *launch.keys(row_keys, column_keys),
             weights, state, grad, *grad.stride(), rows, columns,
             **launch.flags(bias, positive, excluded, row_keys, column_keys, keys_positive), HAS_W=weights is not None,
-            BR=tile_rows, BC=tile_columns, ACCURATE=not launch.interpreting(),
+            BR=tile_rows, BC=tile_columns, num_warps=warps,
         )  # fmt: skip
     return state
 

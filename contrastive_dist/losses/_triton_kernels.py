@@ -7,6 +7,13 @@ pairs whose row and column keys are equal, compared in the tile (``KEY_RULE``: 1
 2, they leave the row's candidates, its positive excepted; 0, no keys). The formulas are those of
 :mod:`._softmax` and :mod:`._sigmoid`, term for term; the shared pieces are written once here as
 ``@triton.jit`` helpers. Importable without Triton (the kernels are then absent).
+
+Per logit, the arithmetic is the fast kind, as in every fused GPU epilogue (a SigLIP block is
+bound by it, not by memory, with libdevice's ``exp``, ``log1p`` and IEEE division): ``tl.exp`` (the
+hardware's ``ex2``), ``/`` (its approximate division) and :func:`_log1p`'s series, each within a few
+ulp of float32, far inside the logits' own error (a product's rounding times the scale); the row
+statistics keep IEEE divisions. Triton's interpreter runs the same formulas in numpy: the tests on
+the CPU check the formulas, the CUDA run of the same tests the hardware's approximations.
 """
 
 from __future__ import annotations
@@ -18,7 +25,6 @@ from contrastive_dist.losses._targets import MASKED
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - the eager family functions serve instead
     triton = None
 
@@ -36,21 +42,23 @@ if triton is not None:
     _TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny, as _softmax clamps by
 
     @triton.jit
-    def _exp(x, ACCURATE: tl.constexpr):
-        # libdevice's expf (≤ 2 ulp) on the device; the interpreter has no libdevice, and its exp is numpy's.
-        if ACCURATE:
-            return libdevice.exp(x)
-        else:
-            return tl.exp(x)
+    def _log1p(x):
+        """``log1p(x)`` for ``x ∈ [0, 1]``: ``2 atanh(s)``, ``s = x / (2 + x) ∈ [0, 1/3]``, by its series.
 
-    @triton.jit
-    def _log1p(x, ACCURATE: tl.constexpr):
-        if ACCURATE:
-            return libdevice.log1p(x)
-        else:
-            # log1p from log, accurate for small x: log(u) · x / (u − 1) corrects the rounding of u = 1 + x.
-            u = 1.0 + x
-            return tl.where(u == 1.0, x, tl.log(u) * tl.math.div_rn(x, tl.where(u == 1.0, 1.0, u - 1.0)))
+        Fast arithmetic rather than libdevice's: one division and eight multiply-adds, the terms to
+        ``s¹⁵/15`` (the next is below ``2⁻²⁹`` of the sum). Relative error a few ulp for every ``x``,
+        ``x → 0`` too (``log(1 + x)`` from an approximate ``log`` is not: its error is absolute).
+        """
+        s = x / (2.0 + x)
+        t = s * s
+        series = t * (1.0 / 15.0) + 1.0 / 13.0
+        series = series * t + 1.0 / 11.0
+        series = series * t + 1.0 / 9.0
+        series = series * t + 1.0 / 7.0
+        series = series * t + 1.0 / 5.0
+        series = series * t + 1.0 / 3.0
+        series = series * t + 1.0
+        return 2.0 * s * series
 
     @triton.jit
     def _row_targets(pos_ptr, excl_ptr, rows, row_ok, m, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr):
@@ -120,8 +128,7 @@ if triton is not None:
 
     @triton.jit
     def _stats(p_ptr, stride_r, stride_c, rows, row_ok, begin, end, scale, bias, pos, excl, row_keys, ck_ptr, keyed,
-               HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, KEY_RULE: tl.constexpr, BC: tl.constexpr,
-               ACCURATE: tl.constexpr):
+               HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, KEY_RULE: tl.constexpr, BC: tl.constexpr):
         """Online over columns ``[begin, end)``: the maximum, Σ exp(l − max), the exact part and the positives.
 
         Returns ``(max, rest, exact, key_sum, key_count)``. With a positive column (HAS_POS) the sum
@@ -147,8 +154,8 @@ if triton is not None:
             candidates = tl.where(left_out, float("-inf"), logits)
             new_max = tl.maximum(row_max, tl.max(candidates, axis=1))
             shift = _finite(new_max)
-            terms = _exp(candidates - shift[:, None], ACCURATE)
-            factor = _exp(row_max - shift, ACCURATE)
+            terms = tl.exp(candidates - shift[:, None])
+            factor = tl.exp(row_max - shift)
             if HAS_POS or KEY_RULE != _KEYS_POSITIVE:
                 # Before the exclusion, as _softmax reads it; exactly one tile holds it: the sum adds zeros.
                 exact += tl.sum(tl.where(at_positive, logits, 0.0), axis=1)
@@ -165,14 +172,14 @@ if triton is not None:
 
     @triton.jit
     def _finish(row_max, rest, exact, key_sum, key_count, pos, excl, HAS_POS: tl.constexpr,
-                KEY_RULE: tl.constexpr, ACCURATE: tl.constexpr):
+                KEY_RULE: tl.constexpr):
         """The five numbers of _softmax.block_state_ from :func:`_stats`' (merged over spans)."""
         row_max = tl.where(row_max < _NO_CANDIDATE, float("-inf"), row_max)
         rest = tl.where(row_max == float("-inf"), 0.0, rest)
         if HAS_POS or KEY_RULE != _KEYS_POSITIVE:  # exact: the positive's logit, its term formed now
             present = pos >= 0
             positive = exact
-            exact = tl.where(present & (pos != excl), _exp(positive - _finite(row_max), ACCURATE), 0.0)
+            exact = tl.where(present & (pos != excl), tl.exp(positive - _finite(row_max)), 0.0)
             if KEY_RULE != _KEYS_POSITIVE:  # the positive column is the row's one positive
                 key_sum = tl.where(present, positive, 0.0)
                 key_count = present.to(tl.float32)
@@ -196,15 +203,15 @@ if triton is not None:
 
     @triton.jit
     def _softmax_grad_tile(logits, at_positive, by_key, left_out, row_max, rest, exact, pos_count, live,
-                           KEY_RULE: tl.constexpr, ACCURATE: tl.constexpr):
+                           KEY_RULE: tl.constexpr):
         """``live · (p − t)`` of one tile, as in gradient_.
 
         A positive column's entry is −live (rest + (exact − own)) / Σ, without cancellation; positives by
         key (KEY_RULE 1) take ``live · p − live / count`` each.
         """
-        numerators = _exp(tl.where(left_out, float("-inf"), logits) - _finite(row_max)[:, None], ACCURATE)
+        numerators = tl.exp(tl.where(left_out, float("-inf"), logits) - _finite(row_max)[:, None])
         total = tl.maximum(rest + exact, _TINY)
-        # IEEE divisions (div_rn), as the eager chain's: `/` is the approximate div.full on NVIDIA.
+        # The rows' statistics take IEEE divisions (div_rn), as the eager chain's: once per row, not per logit.
         softmax_weight = tl.math.div_rn(live, total)
         if KEY_RULE == _KEYS_POSITIVE:
             per_positive = tl.math.div_rn(live, tl.maximum(pos_count, 1.0))
@@ -227,8 +234,7 @@ if triton is not None:
     def sigmoid_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, pos_ptr, excl_ptr, rk_ptr, ck_ptr, keyed,
                        w_ptr, g_ptr, g_stride_r, g_stride_c, sums_ptr, grad_sums_ptr, c, m, span,
                        HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr,
-                       HAS_W: tl.constexpr, WRITE_G: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                       ACCURATE: tl.constexpr):
+                       HAS_W: tl.constexpr, WRITE_G: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         """Rows' Σ softplus(−z·l) over one span of columns and, with WRITE_G, G = −z·σ(−z·l)·w and its row sums."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         row_ok = rows < c
@@ -255,10 +261,10 @@ if triton is not None:
             # One exponential serves both: e = exp(−|x|) ∈ [0, 1] never overflows. softplus(x) =
             # max(x, 0) + log1p(e) (F.softplus's value, which takes log1p(exp(x)) up to x = 20, then x:
             # the same to rounding), and σ(x) = (1 or e) / (1 + e), precise for x ≪ 0 too.
-            small = _exp(-tl.abs(margins), ACCURATE)
-            sums += tl.sum(tl.maximum(margins, 0.0) + _log1p(small, ACCURATE), axis=1)  # 0 at -inf
+            small = tl.exp(-tl.abs(margins))
+            sums += tl.sum(tl.maximum(margins, 0.0) + _log1p(small), axis=1)  # 0 at -inf
             if WRITE_G:
-                sigmoid = tl.math.div_rn(tl.where(margins >= 0, 1.0, small), 1.0 + small)
+                sigmoid = tl.where(margins >= 0, 1.0, small) / (1.0 + small)
                 grad = tl.where(at_positive, -sigmoid, sigmoid) * weights[:, None]
                 grad_sums += tl.sum(grad, axis=1)
                 _store_grad(g_ptr, g_stride_r, g_stride_c, rows, cols, row_ok, col_ok, grad, False)
@@ -270,7 +276,7 @@ if triton is not None:
     def state_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, pos_ptr, excl_ptr, rk_ptr, ck_ptr, keyed,
                      out_ptr, c, m, span,
                      HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr,
-                     SINGLE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, ACCURATE: tl.constexpr):
+                     SINGLE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         """The rows' softmax state over one span of columns.
 
         Final ``(c, 5)`` when SINGLE, else a partial ``(splits, c, 5)`` (:func:`_stats`' five numbers)
@@ -285,19 +291,18 @@ if triton is not None:
         row_keys = _row_keys(rk_ptr, rows, row_ok, KEY_RULE)
         row_max, rest, exact, key_sum, key_count = _stats(
             p_ptr, stride_r, stride_c, rows, row_ok, begin, end, scale, bias, pos, excl, row_keys, ck_ptr, keyed,
-            HAS_BIAS, HAS_POS, KEY_RULE, BC, ACCURATE,
+            HAS_BIAS, HAS_POS, KEY_RULE, BC,
         )
         if SINGLE:
             row_max, rest, exact, key_sum, key_count = _finish(row_max, rest, exact, key_sum, key_count, pos, excl,
-                                                               HAS_POS, KEY_RULE, ACCURATE)
+                                                               HAS_POS, KEY_RULE)
             _store_state(out_ptr, rows, row_ok, row_max, rest, exact, key_sum, key_count)
         else:
             _store_state(out_ptr + tl.program_id(1) * c * 5, rows, row_ok, row_max, rest, exact, key_sum, key_count)
 
     @triton.jit
     def finish_kernel(partial_ptr, splits, pos_ptr, excl_ptr, state_ptr, c, m,
-                      HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr, BR: tl.constexpr,
-                      ACCURATE: tl.constexpr):
+                      HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr, BR: tl.constexpr):
         """Merge the spans' partial states (as _softmax.merged moves the smaller maxima's terms) and finish."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         row_ok = rows < c
@@ -314,7 +319,7 @@ if triton is not None:
             slot = (split * c + rows) * 5
             part_max = tl.load(partial_ptr + slot, mask=row_ok, other=0.0)
             leads = part_max == row_max
-            factor = tl.where(leads, 1.0, _exp(part_max - shift, ACCURATE))
+            factor = tl.where(leads, 1.0, tl.exp(part_max - shift))
             rest += tl.load(partial_ptr + slot + 1, mask=row_ok, other=0.0) * factor
             part_exact = tl.load(partial_ptr + slot + 2, mask=row_ok, other=0.0)
             if HAS_POS or KEY_RULE != _KEYS_POSITIVE:  # the positive's logit, from the one span that holds it
@@ -325,15 +330,14 @@ if triton is not None:
             key_sum += tl.load(partial_ptr + slot + 3, mask=row_ok, other=0.0)
             key_count += tl.load(partial_ptr + slot + 4, mask=row_ok, other=0.0)
         row_max, rest, exact, key_sum, key_count = _finish(row_max, rest, exact, key_sum, key_count, pos, excl,
-                                                           HAS_POS, KEY_RULE, ACCURATE)
+                                                           HAS_POS, KEY_RULE)
         _store_state(state_ptr, rows, row_ok, row_max, rest, exact, key_sum, key_count)
 
     @triton.jit
     def grad_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, state_ptr, pos_ptr, excl_ptr, rk_ptr, ck_ptr,
                     keyed, w_ptr, g_ptr, g_stride_r, g_stride_c, c, m,
                     HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr,
-                    HAS_W: tl.constexpr, ACCUMULATE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                    ACCURATE: tl.constexpr):
+                    HAS_W: tl.constexpr, ACCUMULATE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         """One tile of the softmax gradient from the rows' final state: written, or added with ACCUMULATE."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         row_ok = rows < c
@@ -350,14 +354,14 @@ if triton is not None:
         logits = _logits(p_ptr, rows, cols, stride_r, stride_c, row_ok, col_ok, scale, bias, HAS_BIAS)
         at_positive, by_key, left_out = _tile_targets(rows, cols, col_ok, pos, excl, row_keys, ck_ptr, keyed, KEY_RULE)
         grad = _softmax_grad_tile(logits, at_positive, by_key, left_out, row_max, rest, exact, pos_count, live,
-                                  KEY_RULE, ACCURATE)
+                                  KEY_RULE)
         _store_grad(g_ptr, g_stride_r, g_stride_c, rows, cols, row_ok, col_ok, grad, ACCUMULATE)
 
     @triton.jit
     def block_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, pos_ptr, excl_ptr, rk_ptr, ck_ptr, keyed,
                      w_ptr, state_ptr, g_ptr, g_stride_r, g_stride_c, c, m,
                      HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr,
-                     HAS_W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, ACCURATE: tl.constexpr):
+                     HAS_W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         """Whole rows: the state (first pass over the row), then the gradient from it (second pass)."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         row_ok = rows < c
@@ -366,10 +370,10 @@ if triton is not None:
         row_keys = _row_keys(rk_ptr, rows, row_ok, KEY_RULE)
         row_max, rest, exact, key_sum, key_count = _stats(
             p_ptr, stride_r, stride_c, rows, row_ok, 0, m, scale, bias, pos, excl, row_keys, ck_ptr, keyed,
-            HAS_BIAS, HAS_POS, KEY_RULE, BC, ACCURATE,
+            HAS_BIAS, HAS_POS, KEY_RULE, BC,
         )
         row_max, rest, exact, pos_sum, pos_count = _finish(row_max, rest, exact, key_sum, key_count, pos, excl,
-                                                           HAS_POS, KEY_RULE, ACCURATE)
+                                                           HAS_POS, KEY_RULE)
         _store_state(state_ptr, rows, row_ok, row_max, rest, exact, pos_sum, pos_count)
         live = _row_weights(w_ptr, rows, row_ok, pos_count, HAS_W)
         for start in range(0, m, BC):
@@ -379,5 +383,5 @@ if triton is not None:
             at_positive, by_key, left_out = _tile_targets(rows, cols, col_ok, pos, excl, row_keys, ck_ptr, keyed,
                                                           KEY_RULE)
             grad = _softmax_grad_tile(logits, at_positive, by_key, left_out, row_max, rest, exact, pos_count, live,
-                                      KEY_RULE, ACCURATE)
+                                      KEY_RULE)
             _store_grad(g_ptr, g_stride_r, g_stride_c, rows, cols, row_ok, col_ok, grad, False)

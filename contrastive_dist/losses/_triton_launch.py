@@ -5,11 +5,12 @@ import functools
 import math
 import os
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["check", "flags", "interpreting", "keys", "on", "span", "tile"]
+__all__ = ["KERNELS", "Tile", "check", "flags", "interpreting", "keys", "on", "span", "tile"]
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MIN_TILES_PER_SPLIT = 4  # a span shorter than this pays more in merging than it gains in programs
@@ -28,26 +29,56 @@ def _programs_wanted(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def tile(product: Tensor, whole_rows: bool = False) -> tuple[int, int]:
-    """Rows × columns of a program's tile: long along whichever direction the product is contiguous in.
+class Tile(NamedTuple):
+    """A program's tile, ``rows × columns`` of the block, and the warps that run it."""
 
-    ``whole_rows``: each program owns whole rows (:func:`._triton.softmax_block`), so fewer rows per tile keep
-    enough programs running when the block has few rows.
+    rows: int
+    columns: int
+    warps: int
+
+
+# A contiguous block's tile per kernel, the fastest of a sweep on an H200 (a 4096 × 65536 float32
+# product, bfloat16 G: `python benchmarks/gpu_tiles.py`, docs/benchmarks.md#gpu). A kernel that owns
+# whole rows (`block`) takes the first tile that still makes enough programs for the device.
+_TILES: dict[str, tuple[Tile, ...]] = {
+    "sigmoid": (Tile(8, 256, 8),),
+    "state": (Tile(1, 2048, 4),),
+    "grad": (Tile(8, 256, 8),),
+    "block": (Tile(8, 256, 8), Tile(2, 1024, 4), Tile(1, 2048, 4)),
+}
+KERNELS = tuple(_TILES)
+# A direction seen transposed (P.T: a symmetric loss's columns, which take the state and gradient
+# kernels only): the same sweep with --transposed, 32 × 64 the fastest for the state, 64 × 64 for G.
+_TRANSPOSED: dict[str, Tile] = {"state": Tile(32, 64, 4)}
+_TRANSPOSED_DEFAULT = Tile(64, 64, 4)
+_INTERPRETED = Tile(16, 32, 4)  # small tiles: the tests cover several tiles, tails and spans on small blocks
+
+
+def tile(product: Tensor, kernel: str) -> Tile:
+    """The tile of ``kernel`` (one of :data:`KERNELS`) on ``product``: long along its contiguous direction.
+
+    Example:
+        >>> import torch
+        >>> tile(torch.empty(4096, 65536, device="meta"), "sigmoid")
+        Tile(rows=8, columns=256, warps=8)
     """
     if interpreting():
-        return 16, 32  # small tiles: the tests cover several tiles, tails and spans on small blocks
+        return _INTERPRETED
     if product.stride(1) != 1:
-        return 64, 64
-    rows = 8
-    while whole_rows and rows > 1 and math.ceil(product.shape[0] / rows) < _programs_wanted(product.device):
-        rows //= 2
-    return rows, 2048 // rows
+        return _TRANSPOSED.get(kernel, _TRANSPOSED_DEFAULT)
+    candidates = _TILES[kernel]
+    wanted = _programs_wanted(product.device)
+    return next((choice for choice in candidates if math.ceil(product.shape[0] / choice.rows) >= wanted),
+                candidates[-1])
 
 
-def span(product: Tensor, splits: int) -> tuple[int, int]:
-    """``(splits, span)``: the column spans of the rows' sums (``span`` a multiple of the tile's width)."""
+def span(product: Tensor, splits: int, program: Tile) -> tuple[int, int]:
+    """``(splits, span)``: the column spans of the rows' sums (``span`` a multiple of ``program``'s width).
+
+    ``splits`` 0: enough spans for the device, each at least a few tiles wide.
+    """
     rows, columns = product.shape
-    tile_rows, tile_columns = tile(product)
+    tile_rows, tile_columns, _ = program
     column_tiles = max(1, math.ceil(columns / tile_columns))
     if splits <= 0:
         splits = math.ceil(_programs_wanted(product.device) / math.ceil(max(rows, 1) / tile_rows))
