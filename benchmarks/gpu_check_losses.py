@@ -20,10 +20,14 @@ import torch.nn.functional as F
 from gpu_check_report import Row
 from torch import Tensor
 
-from contrastive_dist import info_nce, siglip
+from contrastive_dist import info_nce, nt_xent, siglip, supcon
 from contrastive_dist.losses._precision import product_route
 
 LOSSES = ("info_nce", "siglip")
+PROFILED = (*LOSSES, "nt_xent", "supcon")
+"""What ``gpu_profile.py`` times: the compared losses, and NT-Xent and SupCon (images and texts as two views,
+SupCon's labels one per 16 samples)."""
+SUPCON_SAMPLES_PER_LABEL = 16
 
 
 @dataclass(frozen=True)
@@ -93,12 +97,24 @@ LossFn = Callable[[Inputs], Tensor]
 
 def ours(loss: str, *, chunk_size: int | None, communication: Literal["gather", "ring"] = "gather",
          group: dist.ProcessGroup | None = None, ids: bool = False) -> LossFn:
-    """This package's loss, through its public functions; ``ids``: with the samples' ids (``same_id="mask"``)."""
+    """This package's loss (one of :data:`PROFILED`), through its public functions; ``ids``: with the samples'
+    ids (``same_id="mask"``; InfoNCE and SigLIP)."""
+    if loss == "nt_xent":
+        return lambda x: nt_xent(x.images, x.texts, x.log_scale.exp(), chunk_size=chunk_size,
+                                 communication=communication, group=group)
+    if loss == "supcon":
+        return lambda x: supcon(torch.stack((x.images, x.texts), 1), _labels(x), x.log_scale.exp(),
+                                chunk_size=chunk_size, communication=communication, group=group)
     if loss == "info_nce":
         return lambda x: info_nce(x.images, x.texts, x.log_scale.exp(), chunk_size=chunk_size,
                                   communication=communication, group=group, ids=x.ids if ids else None)
     return lambda x: siglip(x.images, x.texts, x.log_scale.exp(), x.bias, chunk_size=chunk_size,
                             communication=communication, group=group, ids=x.ids if ids else None)
+
+
+def _labels(x: Inputs) -> Tensor:
+    """SupCon's labels: :data:`SUPCON_SAMPLES_PER_LABEL` consecutive samples share one."""
+    return torch.arange(x.images.shape[0], device=x.images.device) // SUPCON_SAMPLES_PER_LABEL
 
 
 def open_clip_loss(loss: str, *, rank: int = 0, world_size: int = 1) -> LossFn | None:

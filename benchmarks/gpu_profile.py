@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 
 import torch
-from gpu_check_losses import LOSSES, PRECISIONS, make_inputs, ours, train_step
+from gpu_check_losses import PRECISIONS, PROFILED, make_inputs, ours, train_step
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -29,7 +29,7 @@ def _chunk_size(text: str) -> int | None:
 def main(argv: Sequence[str] | None = None) -> str:
     """Print (and return) the step's host and device time and the profiler's two tables."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--loss", choices=LOSSES, default="siglip")
+    parser.add_argument("--loss", choices=PROFILED, default="siglip")
     parser.add_argument("--batch", type=int, default=65536)
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--chunk-size", type=_chunk_size, default=1024, help="rows, or 'default'")

@@ -393,3 +393,30 @@ def test_gpu_check_help_on_a_bare_checkout(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=120, env=_bare_environment())
     assert result.returncode == 0 and result.stdout.startswith("usage: gpu_check.py"), result.stderr
     assert "--out OUT" in result.stdout and "$OUT" in result.stdout
+
+
+@pytest.mark.parametrize("loss", ["info_nce", "siglip", "nt_xent", "supcon"])
+def test_gpu_profile_on_cpu_at_a_tiny_size(loss: str, one_thread: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """The profile's tool runs each loss it offers (the default call, both modes) and prints its step and tables."""
+    profile = _module("gpu_profile")
+    assert set(_module("gpu_check_losses").PROFILED) == {"info_nce", "siglip", "nt_xent", "supcon"}
+    for communication in ("gather", "ring"):
+        text = profile.main(["--device", "cpu", "--loss", loss, "--batch", "64", "--dim", "16", "--chunk-size",
+                             "default", "--communication", communication, "--steps", "1", "--rows", "3"])
+        assert re.match(rf"{loss} {communication}, bf16, batch 64, D 16, chunk_size None, cpu: \d+\.\d\d ms a step",
+                        text), text
+        assert "Self CPU" in text and "Self CUDA" not in text
+    assert capsys.readouterr().out.count(" ms a step") == 2
+
+
+def test_gpu_tiles_launches_every_kernel_and_tile_in_the_interpreter_without_cuda() -> None:
+    """The tile sweep on a CPU: each kernel of the package's tile table, at every tile swept, launches."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_tiles.py"), "--transposed"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("P 64 x 1024 (P.T), cpu: copy P into bf16 G"), lines[0]
+    # Not imported here: without CUDA the module turns Triton's interpreter on for its whole process.
+    tiles = [line for line in lines if line.startswith("sigmoid rows ")]
+    launched = [line for line in lines if line.endswith(": nan ms")]  # run once, timed only on CUDA
+    assert len(tiles) > 10 and len(launched) == len(tiles) * 4, result.stdout
