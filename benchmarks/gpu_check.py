@@ -155,7 +155,7 @@ def _run_under_torchrun(cuda: bool, sizes: Sizes, args: argparse.Namespace) -> i
     return int(any(row.get("check") == "section failed" for row in rows))
 
 
-def _chunk_size(text: str) -> int | None:
+def chunk_size_argument(text: str) -> int | None:
     """``--chunk-sizes`` entries: a number of rows, or ``default`` (the loss's own rule)."""
     return None if text == "default" else int(text)
 
@@ -170,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="auto: CUDA if present, otherwise one line and exit 0")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (what the test suite runs on CPU)")
     parser.add_argument("--batches", type=int, nargs="+", help="one-GPU global batches (default 16k 32k 64k 128k)")
-    parser.add_argument("--chunk-sizes", nargs="+", type=_chunk_size,
+    parser.add_argument("--chunk-sizes", nargs="+", type=chunk_size_argument,
                         help="our chunk sizes, 'default' for chunk_size=None (default: default 1024 4096)")
     parser.add_argument("--precisions", nargs="+", choices=("bf16", "fp32", "tf32"),
                         help="one-GPU precisions, in this order (default bf16 fp32 tf32)")

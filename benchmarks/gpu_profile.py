@@ -18,12 +18,9 @@ import time
 from collections.abc import Sequence
 
 import torch
+from gpu_check import chunk_size_argument
 from gpu_check_losses import PRECISIONS, PROFILED, make_inputs, ours, train_step
 from torch.profiler import ProfilerActivity, profile
-
-
-def _chunk_size(text: str) -> int | None:
-    return None if text == "default" else int(text)
 
 
 def main(argv: Sequence[str] | None = None) -> str:
@@ -32,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--loss", choices=PROFILED, default="siglip")
     parser.add_argument("--batch", type=int, default=65536)
     parser.add_argument("--dim", type=int, default=768)
-    parser.add_argument("--chunk-size", type=_chunk_size, default=1024, help="rows, or 'default'")
+    parser.add_argument("--chunk-size", type=chunk_size_argument, default=1024, help="rows, or 'default'")
     parser.add_argument("--communication", choices=("gather", "ring"), default="gather")
     parser.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16")
     parser.add_argument("--steps", type=int, default=3)
