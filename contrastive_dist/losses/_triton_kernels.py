@@ -8,11 +8,11 @@ pairs whose row and column keys are equal, compared in the tile (``KEY_RULE``: 1
 :mod:`._softmax` and :mod:`._sigmoid`, term for term; the shared pieces are written once here as
 ``@triton.jit`` helpers. Importable without Triton (the kernels are then absent).
 
-Per logit, the arithmetic is the fast kind, as in every fused GPU epilogue (a SigLIP block is
-bound by it, not by memory, with libdevice's ``exp``, ``log1p`` and IEEE division): ``tl.exp`` (the
-hardware's ``ex2``), ``/`` (its approximate division) and :func:`_log1p`'s series, each within a few
-ulp of float32, far inside the logits' own error (a product's rounding times the scale); the row
-statistics keep IEEE divisions. Triton's interpreter runs the same formulas in numpy: the tests on
+Per logit, the arithmetic is the GPU's fast kind: ``tl.exp`` (the hardware's ``ex2``), ``/`` (its
+approximate division) and :func:`_log1p`'s series, each within a few ulp of float32, far inside the
+logits' own error (a product's rounding times the scale); the rows' statistics keep IEEE divisions.
+With libdevice's ``exp``, ``log1p`` and IEEE divisions a SigLIP block took 2.3× the time of reading
+and writing its bytes on an H200; 1.8× with these (docs/benchmarks.md#gpu). Triton's interpreter runs the same formulas in numpy: the tests on
 the CPU check the formulas, the CUDA run of the same tests the hardware's approximations.
 """
 
@@ -45,8 +45,8 @@ if triton is not None:
     def _log1p(x):
         """``log1p(x)`` for ``x ∈ [0, 1]``: ``2 atanh(s)``, ``s = x / (2 + x) ∈ [0, 1/3]``, by its series.
 
-        Fast arithmetic rather than libdevice's: one division and eight multiply-adds, the terms to
-        ``s¹⁵/15`` (the next is below ``2⁻²⁹`` of the sum). Relative error a few ulp for every ``x``,
+        Fast arithmetic rather than libdevice's: one division, seven multiply-adds and three products,
+        the terms to ``s¹⁵/15`` (the next is below ``2⁻²⁹`` of the sum). Relative error a few ulp for every ``x``,
         ``x → 0`` too (``log(1 + x)`` from an approximate ``log`` is not: its error is absolute).
         """
         s = x / (2.0 + x)
