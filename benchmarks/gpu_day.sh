@@ -12,11 +12,12 @@
 # triton are on the GPU machine already). Without CUDA it says so and exits 0 (GPU_DAY_DRY_RUN=1: it then runs
 # the check's CPU sections at tiny sizes instead, as a dry run of the whole pipeline).
 #
-#   OUT=/tmp/out bash benchmarks/gpu_day.sh        # sized for about 6 minutes on one H200
+#   OUT=/tmp/out bash benchmarks/gpu_day.sh        # sized for about 7 minutes on one H200
 #
 # Variables: OUT (default gpu_day_out/), GPU_DAY_WHEELS, GPU_DAY_BUDGET (seconds of measurement,
 # default 300), GPU_DAY_TEST_SECONDS (the fused-loss checks on CUDA, default 150), GPU_DAY_DRY_RUN,
-# PYTHON (default python3).
+# PYTHON (default python3). After the check, at most 3.5 minutes more: the kernels' tile sweep and
+# NT-Xent and SupCon's profiles.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -124,6 +125,17 @@ timeout --signal=INT --kill-after=20 $((BUDGET + 120)) "${CHECK[@]}" --time-budg
     --precisions bf16 tf32 fp32
 STATUS=$?
 echo "== gpu_day: gpu_check exit status $STATUS (1: a section failed; 124: stopped at the backstop)"
+
+echo "== the epilogue kernels' tiles, and NT-Xent and SupCon's step (gpu_tiles.txt, profile_<loss>.txt)"
+# Each bounded: what they measure (the tile table of _triton_launch.py, the two losses gpu_check leaves
+# out) is worth a minute, not the summary below.
+timeout --kill-after=10 90 "$PYTHON" benchmarks/gpu_tiles.py --rows 4096 --columns 65536 >"$OUT/gpu_tiles.txt" 2>&1
+echo "gpu_tiles: exit status $? ($(grep -c ' \*$' "$OUT/gpu_tiles.txt") chosen tiles timed)"
+for loss in nt_xent supcon; do
+    timeout --kill-after=10 60 "$PYTHON" benchmarks/gpu_profile.py --loss "$loss" --batch 32768 --chunk-size default \
+        --rows 12 >"$OUT/profile_$loss.txt" 2>&1
+    echo "profile $loss: exit status $?: $(grep -m 1 ' ms a step' "$OUT/profile_$loss.txt")"
+done
 echo "== gpu_day: done in $((SECONDS - START)) s; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 # Last: the summary, rebuilt from the CSV on disk (so it comes even when the check was stopped).
 "$PYTHON" benchmarks/gpu_check_summary.py "$OUT/gpu_check_1gpu.csv"
