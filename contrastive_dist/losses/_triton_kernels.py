@@ -12,8 +12,9 @@ Per logit, the arithmetic is the GPU's fast kind: ``tl.exp`` (the hardware's ``e
 approximate division) and :func:`_log1p`'s series, each within a few ulp of float32, far inside the
 logits' own error (a product's rounding times the scale); the rows' statistics keep IEEE divisions.
 With libdevice's ``exp``, ``log1p`` and IEEE divisions a SigLIP block took 2.3× the time of reading
-and writing its bytes on an H200; 1.8× with these (docs/benchmarks.md#gpu). Triton's interpreter runs the same formulas in numpy: the tests on
-the CPU check the formulas, the CUDA run of the same tests the hardware's approximations.
+and writing its bytes on an H200; 1.8× with these (docs/benchmarks.md#gpu). Triton's interpreter
+runs the same formulas in numpy: the tests on the CPU check the formulas, the CUDA run of the same
+tests the hardware's approximations.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ if triton is not None:
         """``log1p(x)`` for ``x ∈ [0, 1]``: ``2 atanh(s)``, ``s = x / (2 + x) ∈ [0, 1/3]``, by its series.
 
         Fast arithmetic rather than libdevice's: one division, seven multiply-adds and three products,
-        the terms to ``s¹⁵/15`` (the next is below ``2⁻²⁹`` of the sum). Relative error a few ulp for every ``x``,
-        ``x → 0`` too (``log(1 + x)`` from an approximate ``log`` is not: its error is absolute).
+        the terms to ``s¹⁵/15`` (the next is below ``2⁻²⁹`` of the sum). Relative error a few ulp for
+        every ``x``, ``x → 0`` too (``log(1 + x)`` from an approximate ``log`` is not: its error is
+        absolute).
         """
         s = x / (2.0 + x)
         t = s * s

@@ -61,6 +61,10 @@ def tile(product: Tensor, kernel: str) -> Tile:
         >>> import torch
         >>> tile(torch.empty(4096, 65536, device="meta"), "sigmoid")
         Tile(rows=8, columns=256, warps=8)
+        >>> tile(torch.empty(16, 4096, device="meta"), "block")  # 2 programs of 8 rows too few (4 off CUDA)
+        Tile(rows=2, columns=1024, warps=4)
+        >>> tile(torch.empty(65536, 4096, device="meta").T, "state")  # the columns' direction
+        Tile(rows=32, columns=64, warps=4)
     """
     if interpreting():
         return _INTERPRETED
