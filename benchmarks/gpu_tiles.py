@@ -79,17 +79,17 @@ def main(argv: Sequence[str] | None = None) -> str:
         rows_grid, tiles_grid = (row_programs, splits), (row_programs, math.ceil(m / tile.columns))
         return {
             "sigmoid": lambda: kernels.sigmoid_kernel[rows_grid](
-                product, *product.stride(), scale, bias, positive, None, None, None, 0, None, grad, *grad.stride(),
+                product, *product.stride(), scale, bias, positive, None, 0, None, None, 0, None, grad, *grad.stride(),
                 sums[0], sums[1], c, m, span, HAS_BIAS=True, HAS_POS=True, HAS_EXCL=False, KEY_RULE=0, HAS_W=False,
                 WRITE_G=True, **shape),
             "state": lambda: kernels.state_kernel[rows_grid](
-                product, *product.stride(), scale, None, positive, excluded, None, None, 0,
+                product, *product.stride(), scale, None, positive, excluded, 0, None, None, 0,
                 row_stats if splits == 1 else partial, c, m, span, **softmax, SINGLE=splits == 1, **shape),
             "grad": lambda: kernels.grad_kernel[tiles_grid](
-                product, *product.stride(), scale, None, state, positive, excluded, None, None, 0, None, grad,
+                product, *product.stride(), scale, None, state, positive, excluded, 0, None, None, 0, None, grad,
                 *grad.stride(), c, m, **softmax, HAS_W=False, ACCUMULATE=False, **shape),
             "block": lambda: kernels.block_kernel[rows_grid[:1]](
-                product, *product.stride(), scale, None, positive, excluded, None, None, 0, None, row_stats, grad,
+                product, *product.stride(), scale, None, positive, excluded, 0, None, None, 0, None, row_stats, grad,
                 *grad.stride(), c, m, **softmax, HAS_W=False, **shape),
         }  # fmt: skip
 

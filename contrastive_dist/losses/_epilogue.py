@@ -61,6 +61,8 @@ class Indices(NamedTuple):
             columns; ``None``: no keys.
         column_keys: see ``row_keys``.
         keys_positive: pairs that share a key are positives (else they leave the row's candidates).
+        positive_shift: subtracted from ``positive`` in the kernel (a chunk's first row, for the columns'
+            direction): no launch per chunk to shift the indices.
     """
 
     positive: Tensor | None
@@ -68,13 +70,15 @@ class Indices(NamedTuple):
     row_keys: Tensor | None = None
     column_keys: Tensor | None = None
     keys_positive: bool = False
+    positive_shift: int = 0
 
     def keys(self) -> dict[str, object]:
-        """The ops' key arguments."""
+        """The ops' key arguments (and the positives' shift)."""
+        options = {"keys_positive": self.keys_positive, "positive_shift": self.positive_shift}
         if self.row_keys is None or self.column_keys is None:
-            return {"row_keys": None, "column_keys": None, "keys_positive": self.keys_positive}
+            return {"row_keys": None, "column_keys": None, **options}
         row_keys, column_keys = self.row_keys.contiguous(), self.column_keys.contiguous()  # (a column that travelled)
-        return {"row_keys": row_keys, "column_keys": column_keys, "keys_positive": self.keys_positive}
+        return {"row_keys": row_keys, "column_keys": column_keys, **options}
 
 
 def row_indices(pairs: Pairs, own_start: int | None, column_keys: Tensor | None = None) -> Indices:
@@ -99,14 +103,15 @@ def column_indices(pairs: Pairs, start: int, stop: int, own_start: int | None, c
     """The targets of a block's first ``columns`` columns against its rows ``start:stop``, for the columns' direction.
 
     Each column's positive is among those rows only in this rank's own block (``own_start`` not
-    ``None``; elsewhere, or outside the chunk: none); a column excludes no row. Keys swap sides.
+    ``None``; elsewhere, or outside the chunk: none), shifted by ``start`` in the kernel; a column
+    excludes no row. Keys swap sides.
     """
     rows = pairs.rows
     column_positive = rows.column_positive
-    positive = None if column_positive is None or own_start is None else column_positive - start
+    positive = None if column_positive is None or own_start is None else column_positive
     row_keys = None if rows.keys is None else rows.keys[start:stop]
     keys = None if column_keys is None else column_keys[:columns]
-    return Indices(positive, None, keys, row_keys, rows.key_rule == "positive")
+    return Indices(positive, None, keys, row_keys, rows.key_rule == "positive", start)
 
 
 def grad_buffer(logits: Tensor, queries: Tensor, *, keep: bool) -> Tensor:

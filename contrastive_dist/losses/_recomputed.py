@@ -290,14 +290,17 @@ def _fused_gradients(
     family, row_indices = pairs.family, epilogue.row_indices(pairs, own_start, column_keys)
     columns = 0 if columns_here is None else columns_here.shape[0]
     if columns_here is not None and columns:  # the columns' final states and upstream gradients, travelling
-        column_state, upstream = columns_here[:, :-1].contiguous(), columns_here[:, -1].to(torch.float32)
+        column_state, upstream = columns_here[:, :-1].contiguous(), columns_here[:, -1].to(torch.float32).contiguous()
     row_sums = RowSums(grads)
+    # The ops' row weights (float32, contiguous) once, not a copy per chunk: an upstream gradient is
+    # often an expanded one (``loss.sum().backward()``).
+    row_weights = row_grad.to(torch.float32).contiguous()
     for start, stop in spans:
         product = epilogue.raw_product(queries[start:stop], block_keys)
         logit_grad = epilogue.grad_buffer(product, queries, keep=columns > 0)
         indices = epilogue.chunk_of(row_indices, start, stop)
         grad_sums = epilogue.gradient(family, product, scale, bias, row_state[start:stop], indices,
-                                      row_grad[start:stop], logit_grad)  # fmt: skip
+                                      row_weights[start:stop], logit_grad)  # fmt: skip
         if columns:
             indices = epilogue.column_indices(pairs, start, stop, own_start, column_keys, columns)
             epilogue.gradient(family, product[:, :columns].T, scale, bias, column_state, indices, upstream,

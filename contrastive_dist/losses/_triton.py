@@ -24,7 +24,9 @@ them), otherwise such pairs leave the row's candidates, its positive excepted. T
     softmax_block(product, scale, bias, positive, excluded, weights, grad, *keys) -> state
         softmax_state then softmax_grad in one launch (gather mode: each row complete in this block).
 
-``*keys``: ``row_keys=None, column_keys=None, keys_positive=False``.
+``*keys``: ``row_keys=None, column_keys=None, keys_positive=False, positive_shift=0``; the
+positive of a row is its ``positive`` entry less ``positive_shift`` (≥ 0): a direction seen
+transposed passes the columns' positives as they are and the chunk's first row, no launch to shift them.
 ``grad``: ``(c, m)``, float32 / bf16 / fp16, any strides (the half dtypes hold the unweighted G:
 apply the row weights after the product, where fp16 cannot underflow); ``weights``: ``(c,)`` float32
 or ``None`` (1). ``grad`` may be ``product`` itself (float32) in ``sigmoid_block`` and
@@ -108,6 +110,7 @@ def sigmoid_block(
     row_keys: Tensor | None = None,
     column_keys: Tensor | None = None,
     keys_positive: bool = False,
+    positive_shift: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """SigLIP's pair terms of one block: the rows' sums and, into ``grad``, their logit gradient.
 
@@ -116,7 +119,7 @@ def sigmoid_block(
         column_keys: ``(k,)``, ``k ≤ m``; outputs: ``(c,)``, ``(c,)``.
     """
     launch.check(product, scale, bias, {"positive": positive, "excluded": excluded, "weights": weights, "grad": grad},
-                 row_keys, column_keys)  # fmt: skip
+                 row_keys, column_keys, positive_shift)  # fmt: skip
     rows, columns = product.shape
     if not (rows and columns):
         return product.new_zeros(rows), product.new_zeros(rows)
@@ -128,8 +131,8 @@ def sigmoid_block(
     g_strides = grad.stride() if grad is not None else (0, 0)
     with launch.on(product):
         kernels.sigmoid_kernel[(math.ceil(rows / tile_rows), splits)](
-            product, *product.stride(), scale, bias, positive, excluded, *launch.keys(row_keys, column_keys),
-            weights, grad, *g_strides, sums, grad_sums, rows, columns, span,
+            product, *product.stride(), scale, bias, positive, excluded, positive_shift,
+            *launch.keys(row_keys, column_keys), weights, grad, *g_strides, sums, grad_sums, rows, columns, span,
             **launch.flags(bias, positive, excluded, row_keys, column_keys, keys_positive),
             HAS_W=weights is not None, WRITE_G=grad is not None,
             BR=tile_rows, BC=tile_columns, num_warps=warps,
@@ -139,7 +142,7 @@ def sigmoid_block(
 
 @sigmoid_block.register_fake
 def _(product, scale, bias, positive, excluded, weights, grad, splits=0, row_keys=None, column_keys=None,  # type: ignore[no-untyped-def]
-      keys_positive=False):
+      keys_positive=False, positive_shift=0):
     return product.new_empty(product.shape[0]), product.new_empty(product.shape[0])
 
 
@@ -147,6 +150,7 @@ def _(product, scale, bias, positive, excluded, weights, grad, splits=0, row_key
 def softmax_state(
     product: Tensor, scale: Tensor, bias: Tensor | None, positive: Tensor | None, excluded: Tensor | None,
     splits: int = 0, row_keys: Tensor | None = None, column_keys: Tensor | None = None, keys_positive: bool = False,
+    positive_shift: int = 0,
 ) -> Tensor:  # fmt: skip
     """The softmax rows' state over one block (``_softmax.block_state_``).
 
@@ -154,7 +158,8 @@ def softmax_state(
         product: ``(c, m)``; scale, bias: ``()``; positive, excluded, row_keys: ``(c,)``; column_keys:
         ``(k,)``; output: ``(c, 5)``.
     """
-    launch.check(product, scale, bias, {"positive": positive, "excluded": excluded}, row_keys, column_keys)
+    launch.check(product, scale, bias, {"positive": positive, "excluded": excluded}, row_keys, column_keys,
+                 positive_shift)
     rows, columns = product.shape
     program = launch.tile(product, "state")
     tile_rows, tile_columns, warps = program
@@ -167,13 +172,14 @@ def softmax_state(
     with launch.on(product):
         out = state if splits == 1 else product.new_empty((splits, rows, 5))
         kernels.state_kernel[grid](
-            product, *product.stride(), scale, bias, positive, excluded, *launch.keys(row_keys, column_keys), out,
+            product, *product.stride(), scale, bias, positive, excluded, positive_shift,
+            *launch.keys(row_keys, column_keys), out,
             rows, columns, span,
             **targets, SINGLE=splits == 1, BR=tile_rows, BC=tile_columns, num_warps=warps,
         )  # fmt: skip
         if splits > 1:
             kernels.finish_kernel[grid[:1]](
-                out, splits, positive, excluded, state, rows, columns, HAS_POS=targets["HAS_POS"],
+                out, splits, positive, excluded, positive_shift, state, rows, columns, HAS_POS=targets["HAS_POS"],
                 HAS_EXCL=targets["HAS_EXCL"], KEY_RULE=targets["KEY_RULE"], BR=tile_rows,
             )  # fmt: skip
     return state
@@ -181,7 +187,7 @@ def softmax_state(
 
 @softmax_state.register_fake
 def _(product, scale, bias, positive, excluded, splits=0, row_keys=None, column_keys=None,  # type: ignore[no-untyped-def]
-      keys_positive=False):
+      keys_positive=False, positive_shift=0):
     return product.new_empty((product.shape[0], 5))
 
 
@@ -190,6 +196,7 @@ def softmax_grad(
     product: Tensor, scale: Tensor, bias: Tensor | None, state: Tensor, positive: Tensor | None,
     excluded: Tensor | None, weights: Tensor | None, grad: Tensor, accumulate: bool = False,
     row_keys: Tensor | None = None, column_keys: Tensor | None = None, keys_positive: bool = False,
+    positive_shift: int = 0,
 ) -> None:  # fmt: skip
     """``grad`` ← (``+=`` with ``accumulate``) the softmax gradient of one block from the rows' final state.
 
@@ -197,15 +204,16 @@ def softmax_grad(
         product, grad: ``(c, m)``; scale, bias: ``()``; state: ``(c, 5)``; positive, excluded, weights,
         row_keys: ``(c,)``; column_keys: ``(k,)``.
     """
-    launch.check(product, scale, bias, {"positive": positive, "excluded": excluded, "weights": weights,
-                                        "state": state, "grad": grad}, row_keys, column_keys)  # fmt: skip
+    rows_in = {"positive": positive, "excluded": excluded, "weights": weights, "state": state, "grad": grad}
+    launch.check(product, scale, bias, rows_in, row_keys, column_keys, positive_shift)
     rows, columns = product.shape
     tile_rows, tile_columns, warps = launch.tile(product, "grad")
     if not (rows and columns):
         return
     with launch.on(product):
         kernels.grad_kernel[(math.ceil(rows / tile_rows), math.ceil(columns / tile_columns))](
-            product, *product.stride(), scale, bias, state, positive, excluded, *launch.keys(row_keys, column_keys),
+            product, *product.stride(), scale, bias, state, positive, excluded, positive_shift,
+            *launch.keys(row_keys, column_keys),
             weights, grad, *grad.stride(), rows, columns,
             **launch.flags(bias, positive, excluded, row_keys, column_keys, keys_positive), HAS_W=weights is not None,
             ACCUMULATE=accumulate, BR=tile_rows, BC=tile_columns, num_warps=warps,
@@ -214,7 +222,7 @@ def softmax_grad(
 
 @softmax_grad.register_fake
 def _(product, scale, bias, state, positive, excluded, weights, grad, accumulate=False,  # type: ignore[no-untyped-def]
-      row_keys=None, column_keys=None, keys_positive=False):
+      row_keys=None, column_keys=None, keys_positive=False, positive_shift=0):
     return None
 
 
@@ -222,7 +230,7 @@ def _(product, scale, bias, state, positive, excluded, weights, grad, accumulate
 def softmax_block(
     product: Tensor, scale: Tensor, bias: Tensor | None, positive: Tensor | None, excluded: Tensor | None,
     weights: Tensor | None, grad: Tensor, row_keys: Tensor | None = None, column_keys: Tensor | None = None,
-    keys_positive: bool = False,
+    keys_positive: bool = False, positive_shift: int = 0,
 ) -> Tensor:  # fmt: skip
     """:func:`softmax_state` and :func:`softmax_grad` of a block that holds its rows' every column, one launch.
 
@@ -231,7 +239,7 @@ def softmax_block(
         column_keys: ``(k,)``; output: ``(c, 5)``.
     """
     launch.check(product, scale, bias, {"positive": positive, "excluded": excluded, "weights": weights, "grad": grad},
-                 row_keys, column_keys)  # fmt: skip
+                 row_keys, column_keys, positive_shift)  # fmt: skip
     rows, columns = product.shape
     state = product.new_empty((rows, 5))
     tile_rows, tile_columns, warps = launch.tile(product, "block")
@@ -239,8 +247,8 @@ def softmax_block(
         return state
     with launch.on(product):
         kernels.block_kernel[(math.ceil(rows / tile_rows),)](
-            product, *product.stride(), scale, bias, positive, excluded, *launch.keys(row_keys, column_keys),
-            weights, state, grad, *grad.stride(), rows, columns,
+            product, *product.stride(), scale, bias, positive, excluded, positive_shift,
+            *launch.keys(row_keys, column_keys), weights, state, grad, *grad.stride(), rows, columns,
             **launch.flags(bias, positive, excluded, row_keys, column_keys, keys_positive), HAS_W=weights is not None,
             BR=tile_rows, BC=tile_columns, num_warps=warps,
         )  # fmt: skip
@@ -249,7 +257,7 @@ def softmax_block(
 
 @softmax_block.register_fake
 def _(product, scale, bias, positive, excluded, weights, grad, row_keys=None, column_keys=None,  # type: ignore[no-untyped-def]
-      keys_positive=False):
+      keys_positive=False, positive_shift=0):
     return product.new_empty((product.shape[0], 5))
 
 

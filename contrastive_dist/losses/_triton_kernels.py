@@ -63,12 +63,12 @@ if triton is not None:
         return 2.0 * s * series
 
     @triton.jit
-    def _row_targets(pos_ptr, excl_ptr, rows, row_ok, m, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr):
-        """Each row's positive and excluded column in ``[0, m)``, or -1 (none in this block)."""
+    def _row_targets(pos_ptr, excl_ptr, pos_shift, rows, row_ok, m, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr):
+        """Each row's positive (its stored index less ``pos_shift``) and excluded column in ``[0, m)``, or -1."""
         pos = tl.full(rows.shape, -1, tl.int64)
         excl = tl.full(rows.shape, -1, tl.int64)
         if HAS_POS:
-            pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
+            pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1) - pos_shift
             pos = tl.where((pos >= 0) & (pos < m), pos, -1)
         if HAS_EXCL:
             excl = tl.load(excl_ptr + rows, mask=row_ok, other=-1)
@@ -233,8 +233,8 @@ if triton is not None:
         tl.store(g_ptr + offsets, grad.to(g_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def sigmoid_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, pos_ptr, excl_ptr, rk_ptr, ck_ptr, keyed,
-                       w_ptr, g_ptr, g_stride_r, g_stride_c, sums_ptr, grad_sums_ptr, c, m, span,
+    def sigmoid_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, pos_ptr, excl_ptr, pos_shift, rk_ptr, ck_ptr,
+                       keyed, w_ptr, g_ptr, g_stride_r, g_stride_c, sums_ptr, grad_sums_ptr, c, m, span,
                        HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr,
                        HAS_W: tl.constexpr, WRITE_G: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         """Rows' Σ softplus(−z·l) over one span of columns and, with WRITE_G, G = −z·σ(−z·l)·w and its row sums."""
@@ -243,7 +243,7 @@ if triton is not None:
         begin = tl.program_id(1) * span
         end = tl.minimum(begin + span, m)
         scale, bias = _scalars(scale_ptr, bias_ptr, HAS_BIAS)
-        pos, excl = _row_targets(pos_ptr, excl_ptr, rows, row_ok, m, HAS_POS, HAS_EXCL)
+        pos, excl = _row_targets(pos_ptr, excl_ptr, pos_shift, rows, row_ok, m, HAS_POS, HAS_EXCL)
         row_keys = _row_keys(rk_ptr, rows, row_ok, KEY_RULE)
         weights = tl.full(rows.shape, 1.0, tl.float32)
         if HAS_W:
@@ -275,8 +275,8 @@ if triton is not None:
         tl.store(grad_sums_ptr + slot, grad_sums, mask=row_ok)
 
     @triton.jit
-    def state_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, pos_ptr, excl_ptr, rk_ptr, ck_ptr, keyed,
-                     out_ptr, c, m, span,
+    def state_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, pos_ptr, excl_ptr, pos_shift, rk_ptr, ck_ptr,
+                     keyed, out_ptr, c, m, span,
                      HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr,
                      SINGLE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         """The rows' softmax state over one span of columns.
@@ -289,7 +289,7 @@ if triton is not None:
         begin = tl.program_id(1) * span
         end = tl.minimum(begin + span, m)
         scale, bias = _scalars(scale_ptr, bias_ptr, HAS_BIAS)
-        pos, excl = _row_targets(pos_ptr, excl_ptr, rows, row_ok, m, HAS_POS, HAS_EXCL)
+        pos, excl = _row_targets(pos_ptr, excl_ptr, pos_shift, rows, row_ok, m, HAS_POS, HAS_EXCL)
         row_keys = _row_keys(rk_ptr, rows, row_ok, KEY_RULE)
         row_max, rest, exact, key_sum, key_count = _stats(
             p_ptr, stride_r, stride_c, rows, row_ok, begin, end, scale, bias, pos, excl, row_keys, ck_ptr, keyed,
@@ -303,12 +303,12 @@ if triton is not None:
             _store_state(out_ptr + tl.program_id(1) * c * 5, rows, row_ok, row_max, rest, exact, key_sum, key_count)
 
     @triton.jit
-    def finish_kernel(partial_ptr, splits, pos_ptr, excl_ptr, state_ptr, c, m,
+    def finish_kernel(partial_ptr, splits, pos_ptr, excl_ptr, pos_shift, state_ptr, c, m,
                       HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr, BR: tl.constexpr):
         """Merge the spans' partial states (as _softmax.merged moves the smaller maxima's terms) and finish."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         row_ok = rows < c
-        pos, excl = _row_targets(pos_ptr, excl_ptr, rows, row_ok, m, HAS_POS, HAS_EXCL)
+        pos, excl = _row_targets(pos_ptr, excl_ptr, pos_shift, rows, row_ok, m, HAS_POS, HAS_EXCL)
         row_max = tl.full(rows.shape, float("-inf"), tl.float32)
         for split in range(0, splits):
             row_max = tl.maximum(row_max, tl.load(partial_ptr + (split * c + rows) * 5, mask=row_ok, other=0.0))
@@ -336,8 +336,8 @@ if triton is not None:
         _store_state(state_ptr, rows, row_ok, row_max, rest, exact, key_sum, key_count)
 
     @triton.jit
-    def grad_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, state_ptr, pos_ptr, excl_ptr, rk_ptr, ck_ptr,
-                    keyed, w_ptr, g_ptr, g_stride_r, g_stride_c, c, m,
+    def grad_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, state_ptr, pos_ptr, excl_ptr, pos_shift, rk_ptr,
+                    ck_ptr, keyed, w_ptr, g_ptr, g_stride_r, g_stride_c, c, m,
                     HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr,
                     HAS_W: tl.constexpr, ACCUMULATE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         """One tile of the softmax gradient from the rows' final state: written, or added with ACCUMULATE."""
@@ -346,7 +346,7 @@ if triton is not None:
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         col_ok = cols < m
         scale, bias = _scalars(scale_ptr, bias_ptr, HAS_BIAS)
-        pos, excl = _row_targets(pos_ptr, excl_ptr, rows, row_ok, m, HAS_POS, HAS_EXCL)
+        pos, excl = _row_targets(pos_ptr, excl_ptr, pos_shift, rows, row_ok, m, HAS_POS, HAS_EXCL)
         row_keys = _row_keys(rk_ptr, rows, row_ok, KEY_RULE)
         row_max = tl.load(state_ptr + rows * 5, mask=row_ok, other=0.0)
         rest = tl.load(state_ptr + rows * 5 + 1, mask=row_ok, other=0.0)
@@ -360,15 +360,15 @@ if triton is not None:
         _store_grad(g_ptr, g_stride_r, g_stride_c, rows, cols, row_ok, col_ok, grad, ACCUMULATE)
 
     @triton.jit
-    def block_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, pos_ptr, excl_ptr, rk_ptr, ck_ptr, keyed,
-                     w_ptr, state_ptr, g_ptr, g_stride_r, g_stride_c, c, m,
+    def block_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, pos_ptr, excl_ptr, pos_shift, rk_ptr, ck_ptr,
+                     keyed, w_ptr, state_ptr, g_ptr, g_stride_r, g_stride_c, c, m,
                      HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr,
                      HAS_W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         """Whole rows: the state (first pass over the row), then the gradient from it (second pass)."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         row_ok = rows < c
         scale, bias = _scalars(scale_ptr, bias_ptr, HAS_BIAS)
-        pos, excl = _row_targets(pos_ptr, excl_ptr, rows, row_ok, m, HAS_POS, HAS_EXCL)
+        pos, excl = _row_targets(pos_ptr, excl_ptr, pos_shift, rows, row_ok, m, HAS_POS, HAS_EXCL)
         row_keys = _row_keys(rk_ptr, rows, row_ok, KEY_RULE)
         row_max, rest, exact, key_sum, key_count = _stats(
             p_ptr, stride_r, stride_c, rows, row_ok, 0, m, scale, bias, pos, excl, row_keys, ck_ptr, keyed,

@@ -100,9 +100,11 @@ def on(product: Tensor) -> Iterator[None]:
 
 def check(
     product: Tensor, scale: Tensor, bias: Tensor | None, rows: dict[str, Tensor | None],
-    row_keys: Tensor | None = None, column_keys: Tensor | None = None,
+    row_keys: Tensor | None = None, column_keys: Tensor | None = None, positive_shift: int = 0,
 ) -> None:  # fmt: skip
     """The ops' inputs, as the kernels read them: raise naming the expected and the given."""
+    if positive_shift < 0:
+        raise ValueError(f"positive_shift must be >= 0 (a chunk's first row), got {positive_shift}")
     if (row_keys is None) != (column_keys is None):
         raise TypeError("row_keys and column_keys go together: give both or neither")
     if row_keys is not None and column_keys is not None:
