@@ -398,6 +398,31 @@ def test_bad_inputs_are_named() -> None:
         epilogue.softmax_state(block.product, block.scale, None, block.positive.int(), None)
     with pytest.raises(TypeError, match="grad must be"):
         epilogue.sigmoid_block(block.product, block.scale, None, None, None, None, torch.empty(2, 2))
+    with pytest.raises(ValueError, match="positive_shift must be >= 0"):
+        epilogue.softmax_state(block.product, block.scale, None, block.positive, None, positive_shift=-1)
+
+
+@interpreted
+def test_the_positives_shift_is_subtracted_in_the_kernel() -> None:
+    """Positives passed unshifted with ``positive_shift`` (a chunk's first row): every op gives what the shifted
+    positives give, and stored indices that fall outside the block after the shift are none."""
+    block = _block("transposed")
+    shift = 5
+    stored = torch.where(block.positive >= 0, block.positive + shift, block.positive)
+    stored[2] = shift - 1  # before the block once shifted: none, as the -1 it becomes
+    shifted = torch.where(torch.arange(len(stored)) == 2, -1, block.positive)
+    args = (block.product, block.scale, block.bias)
+    state = epilogue.softmax_state(*args, stored, block.excluded, positive_shift=shift)
+    torch.testing.assert_close(state, epilogue.softmax_state(*args, shifted, block.excluded), rtol=0, atol=0)
+    for op in (epilogue.softmax_grad, epilogue.softmax_block, epilogue.sigmoid_block):
+        grads = [torch.zeros(block.product.shape), torch.zeros(block.product.shape)]
+        if op is epilogue.softmax_grad:
+            op(*args, state, stored, block.excluded, None, grads[0], positive_shift=shift)
+            op(*args, state, shifted, block.excluded, None, grads[1])
+        else:
+            op(*args, stored, block.excluded, None, grads[0], positive_shift=shift)
+            op(*args, shifted, block.excluded, None, grads[1])
+        torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0, msg=str(op))
 
 
 @interpreted
