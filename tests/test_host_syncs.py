@@ -1,8 +1,8 @@
 """A loss call on an accelerator waits for the device at most once: the agreement's exchange itself.
 
 Counted on CPU with stand-in device tensors (``tests/host_syncs.py``): one process, where nothing
-is exchanged (no sync at all, or the one read of a flag computed from device labels), and 2 gloo
-processes, where the agreement's table is read once. Forward and backward, both modes.
+is exchanged and nothing is read (device labels stay integers, undecided), and 2 gloo processes,
+where the agreement's table is read once. Forward and backward, both modes.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ CALLS: dict[str, Call] = {
     "nt_xent": lambda a, b, labels, options: nt_xent(a, b, temperature=0.5, **options),
     "supcon": lambda a, b, labels, options: supcon(a, labels, temperature=0.5, **options),
 }
-# With one process only labels cost a read: whether the keys are small integers decides the path.
-ONE_PROCESS = {name: 1 if name == "supcon" else 0 for name in CALLS}
+# With one process no call reads the device: not even SupCon's labels (whether they are small integers
+# is decided only where the flag travels in the agreement's exchange).
+ONE_PROCESS = dict.fromkeys(CALLS, 0)
 ON_RANKS = ("info_nce temperature", "siglip numbers", "supcon")  # numbers, a bias, labels: each kind of option
 
 

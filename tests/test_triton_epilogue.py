@@ -249,8 +249,8 @@ SupCon's anchors (positives by label, no positive column; with many logits tied 
 transposed), sample ids as positives beside the row's positive column, and as pairs left out."""
 
 
-def _keyed(case: str) -> tuple[Block, Targets, dict[str, object]]:
-    """A block, its targets as the eager chain takes them and the ops' key arguments."""
+def _keyed(case: str, key_dtype: torch.dtype = torch.float32) -> tuple[Block, Targets, dict[str, object]]:
+    """A block, its targets as the eager chain takes them and the ops' key arguments (keys in ``key_dtype``)."""
     block = _block("transposed" if case.endswith("transposed") else "random", seed=2)
     generator = torch.Generator().manual_seed(3)
     c, m = block.product.shape
@@ -261,6 +261,7 @@ def _keyed(case: str) -> tuple[Block, Targets, dict[str, object]]:
     row_keys = torch.randint(0, 6, (c,), generator=generator).float()
     row_keys[::5] = 99.0  # a key no column has: SupCon's anchor without positives
     column_keys = torch.randint(0, 6, (m - 5,), generator=generator).float()
+    row_keys, column_keys = row_keys.to(key_dtype), column_keys.to(key_dtype)
     rule = "mask" if case == "ids_mask" else "positive"
 
     def located(index: Tensor | None) -> Located | None:
@@ -291,10 +292,11 @@ def _same_state(actual: Tensor, expected: Tensor, rtol: float = 2e-6, atol: floa
 
 
 @interpreted
+@pytest.mark.parametrize("key_dtype", [torch.float32, torch.int64])  # small keys as floats; keys as they came
 @pytest.mark.parametrize("case", KEYED)
-def test_keys_compared_in_the_kernels(case: str) -> None:
+def test_keys_compared_in_the_kernels(case: str, key_dtype: torch.dtype) -> None:
     """States (one span and several, merged), gradients and SigLIP's terms with keys equal the eager chain."""
-    block, targets, keys = _keyed(case)
+    block, targets, keys = _keyed(case, key_dtype)
     weights = _weights(block)
     eager_state, eager_grad = _eager_softmax(block, targets, weights, torch.float32)
     exact_state, exact_grad = _eager_softmax(block, targets, weights, torch.float64)

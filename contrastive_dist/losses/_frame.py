@@ -21,6 +21,7 @@ from typing import Any, Generic, TypeVar
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from contrastive_dist._dist import is_distributed
 from contrastive_dist._validation import collect
 from contrastive_dist.engine._agreement import Layout, agree
 from contrastive_dist.losses._columns import Columns, meet
@@ -179,8 +180,9 @@ def begin(
     if result is not None:
         dtype = compute_dtype(result[0][0].dtype)
         flags = SMALL_KEYS
+        exchanged = is_distributed(common.group)
         for keys in (result[4], *keyed):  # every rank's keys small, or compared as integers everywhere
-            flags = small_keys_flag(keys if isinstance(keys, Tensor) else None, dtype) & flags
+            flags = small_keys_flag(keys if isinstance(keys, Tensor) else None, dtype, exchanged=exchanged) & flags
     # Whether ids are given is agreed for every loss; what equal ids mean, for the losses that say.
     same_id = {} if common.same_id is None else {"same_id": common.same_id}
     options = {"ids": common.ids is not None, **same_id, **options}

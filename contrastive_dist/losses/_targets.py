@@ -38,16 +38,21 @@ SMALL_KEYS = 1
 """Agreement flag: this rank's keys are integers that the core's float dtype holds exactly."""
 
 
-def small_keys_flag(keys: Tensor | None, dtype: torch.dtype) -> int | Tensor:
+def small_keys_flag(keys: Tensor | None, dtype: torch.dtype, *, exchanged: bool = True) -> int | Tensor:
     """:data:`SMALL_KEYS` when every key is an integer ``dtype`` holds exactly (``|k| ≤ 2**24`` in float32).
 
     For keys on an accelerator the flag is a 0-d int64 tensor there: the agreement carries it in its
-    one exchange, so deciding it costs no host sync of its own.
+    one exchange (``exchanged``), so deciding it costs no host sync of its own. Where nothing is
+    exchanged (one process) such keys stay integers, undecided: there the float keys would buy
+    nothing (no collective to share with the features, and a GPU compares integers as fast) for a
+    read of the device.
     """
     if torch.compiler.is_compiling():
         return 0  # nothing is exchanged under torch.compile: the keys stay integers, decided alike everywhere
     if keys is None or keys.numel() == 0:
         return SMALL_KEYS
+    if keys.device.type != "cpu" and not exchanged:
+        return 0
     limit = 2 ** (53 if dtype == torch.float64 else 24)
     small = ((keys >= -limit) & (keys <= limit)).all()
     if keys.device.type != "cpu":
