@@ -292,8 +292,8 @@ def _fused_gradients(
     if columns_here is not None and columns:  # the columns' final states and upstream gradients, travelling
         column_state, upstream = columns_here[:, :-1].contiguous(), columns_here[:, -1].to(torch.float32).contiguous()
     row_sums = RowSums(grads)
-    # The ops' row weights (float32, contiguous) once, not a copy per chunk: an upstream gradient is
-    # often an expanded one (``loss.sum().backward()``).
+    # The ops' row weights (float32, contiguous) once a block, not a copy per chunk: an upstream gradient
+    # is often an expanded one (``loss.sum().backward()``).
     row_weights = row_grad.to(torch.float32).contiguous()
     for start, stop in spans:
         product = epilogue.raw_product(queries[start:stop], block_keys)
