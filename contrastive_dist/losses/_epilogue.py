@@ -72,13 +72,13 @@ class Indices(NamedTuple):
     keys_positive: bool = False
     positive_shift: int = 0
 
-    def keys(self) -> dict[str, object]:
-        """The ops' key arguments (and the positives' shift)."""
-        options = {"keys_positive": self.keys_positive, "positive_shift": self.positive_shift}
+    def options(self) -> dict[str, object]:
+        """The ops' keyword arguments: the keys, what equal keys mean, the positives' shift."""
+        shared = {"keys_positive": self.keys_positive, "positive_shift": self.positive_shift}
         if self.row_keys is None or self.column_keys is None:
-            return {"row_keys": None, "column_keys": None, **options}
+            return {"row_keys": None, "column_keys": None, **shared}
         row_keys, column_keys = self.row_keys.contiguous(), self.column_keys.contiguous()  # (a column that travelled)
-        return {"row_keys": row_keys, "column_keys": column_keys, **options}
+        return {"row_keys": row_keys, "column_keys": column_keys, **shared}
 
 
 def row_indices(pairs: Pairs, own_start: int | None, column_keys: Tensor | None = None) -> Indices:
@@ -141,14 +141,14 @@ def row_state(
     """
     from contrastive_dist.losses import _triton
 
-    positive, excluded, keys = indices.positive, indices.excluded, indices.keys()
+    positive, excluded, options = indices.positive, indices.excluded, indices.options()
     row_weights = _weights(weights)
     if family is SIGMOID:
-        sums, grad_sums = _triton.sigmoid_block(logits, scale, bias, positive, excluded, row_weights, grad, **keys)
+        sums, grad_sums = _triton.sigmoid_block(logits, scale, bias, positive, excluded, row_weights, grad, **options)
         return sums[:, None], grad_sums if grad is not None else None
     if grad is None:
-        return _triton.softmax_state(logits, scale, bias, positive, excluded, **keys), None
-    return _triton.softmax_block(logits, scale, bias, positive, excluded, row_weights, grad, **keys), None
+        return _triton.softmax_state(logits, scale, bias, positive, excluded, **options), None
+    return _triton.softmax_block(logits, scale, bias, positive, excluded, row_weights, grad, **options), None
 
 
 def gradient(
@@ -169,12 +169,12 @@ def gradient(
     """
     from contrastive_dist.losses import _triton
 
-    positive, excluded, keys = indices.positive, indices.excluded, indices.keys()
+    positive, excluded, options = indices.positive, indices.excluded, indices.options()
     row_weights = _weights(weights)
     if family is SIGMOID:  # a row's pair terms need no state; no columns' direction adds onto them
-        return _triton.sigmoid_block(logits, scale, bias, positive, excluded, row_weights, grad, **keys)[1]
+        return _triton.sigmoid_block(logits, scale, bias, positive, excluded, row_weights, grad, **options)[1]
     _triton.softmax_grad(logits, scale, bias, state, positive, excluded, row_weights, grad, accumulate=accumulate,
-                         **keys)  # fmt: skip
+                         **options)  # fmt: skip
     return None
 
 
