@@ -237,8 +237,8 @@ def test_epilogue_launches_per_chunk_visit(loss: str, reduction: str) -> None:
 def test_the_eager_chain_on_a_gpu_takes_softplus_in_one_pass() -> None:
     """float16 features keep the eager chain on a GPU: SigLIP's row sums there are ``F.softplus``, one pass.
 
-    The CPU's route to them (``exp`` and ``log``, :func:`~contrastive_dist.losses._sigmoid.softplus_sums`)
-    takes a dozen passes: on the CUDA path it would read and write 182 bytes per logit instead of 78.
+    The CPU's route to them (:func:`~contrastive_dist.losses._sigmoid.softplus_sums`: ``exp``, the
+    paired products, ``log``) takes a dozen passes, each of which would add to the bytes counted here.
     """
     assert bytes_per_logit("siglip", CHUNK, torch.float16) <= EAGER_SIGLIP_BYTES_PER_LOGIT
 

@@ -13,6 +13,8 @@ driver runs both families over both transports.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -55,29 +57,67 @@ def block_state_(logits: Tensor, targets: Targets, positive_mask: SameKey | None
 
 
 def softplus_sums(margins: Tensor) -> Tensor:
-    """Each row's ``Σ_j softplus(m_ij)``; on the CPU from one ``exp`` and one ``log`` per entry.
+    """Each row's ``Σ_j softplus(m_ij)``; on the CPU one ``exp`` per entry and (float32) one ``log`` per 64.
 
-    ``softplus(m) = max(m, 0) + log1p(e)`` with ``e = exp(−|m|)``; ``log1p(e)`` is ``log(u)`` of
-    ``u = 1 + e`` corrected by the rounding of that sum, ``δ = e − (u − 1)`` (exact), as
-    ``log(u) + δ / u``: within an ulp or two of ``log1p``, and for ``e`` below half an ulp of 1
-    (``u = 1``) exactly ``e``. Why not ``F.softplus`` there: torch's CPU ``log1p`` ran 6× slower than
-    its ``log`` on the development machine (AVX-512, torch 2.14), half of SigLIP's CPU epilogue.
-    Elsewhere (a GPU's eager chain: float16) ``F.softplus`` is one kernel, and these passes would
-    more than double the chain's memory traffic (``tests/test_traffic.py``'s counter, float16).
+    ``softplus(m) = max(m, 0) + log(1 + e)`` with ``e = exp(−|m|)``, so a row's sum of the second
+    terms is ``log Π_j (1 + e_j)``. The product is formed in pairs in the form ``1 + x``: two
+    factors ``1 + a`` and ``1 + b`` make ``1 + (a + b + a·b)``. Every term is positive (no
+    cancellation: a few ulps at most), a tiny ``e`` keeps its digits where ``1 + e`` would round
+    them away, and each halving of a row needs two passes over half of it. A row is halved while
+    its width is even, at most :func:`_halvings` times (after ``k`` halvings ``x < 2^(2^k)``, which
+    the dtype must hold); what is left of it takes :func:`_log1p`.
+
+    Why not ``F.softplus`` there: torch's CPU ``log1p`` ran 6× slower than its ``log``, and ``exp``
+    plus ``log`` per entry were half of SigLIP's CPU epilogue (AVX-512, torch 2.14). Elsewhere (a
+    GPU's eager chain: float16) ``F.softplus`` is one kernel, and these passes would more than double
+    the chain's memory traffic (``tests/test_traffic.py``'s counter, float16).
 
     Shape:
         margins: ``(c, m)``; output: ``(c, 1)``.
+
+    Example:
+        >>> import math, torch
+        >>> sums = softplus_sums(torch.tensor([[0.0] * 64, [-30.0, 30.0] * 32]))[:, 0].tolist()
+        >>> [round(value, 4) for value in sums], round(64 * math.log(2.0), 4)
+        ([44.3614, 960.0], 44.3614)
     """
     if margins.device.type != "cpu":
         return F.softplus(margins).sum(dim=1, keepdim=True)
-    small = margins.abs().neg_().exp_()  # e
-    total = small.add(1.0).sub_(1.0)  # u − 1 of u = 1 + e rounded: exact, as is every step to the log
-    small.sub_(total)  # δ
-    total += 1.0  # u
-    small /= total  # δ / u
-    total.log_().add_(small)
-    total += torch.clamp_min(margins, 0.0, out=small)
-    return total.sum(dim=1, keepdim=True)
+    products = margins.abs().neg_().exp_()  # the x of each factor 1 + x: e
+    width = products.shape[1]
+    for _ in range(_halvings(margins.dtype)):
+        if width % 2:
+            break
+        width //= 2
+        first, second = products[:, :width], products[:, width : 2 * width]
+        second.addcmul_(first, second)  # b + a·b
+        first += second
+        products = first
+    positive_parts = torch.clamp_min(margins, 0.0).sum(dim=1, keepdim=True)
+    return _log1p(products).sum(dim=1, keepdim=True) + positive_parts
+
+
+def _halvings(dtype: torch.dtype) -> int:
+    """How often a row's factors, each at most 2, may be paired before their product could overflow.
+
+    Example:
+        >>> [_halvings(dtype) for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)]
+        [3, 6, 6, 9]
+    """
+    largest_power = math.frexp(torch.finfo(dtype).max)[1] - 1  # 2^that is finite
+    return math.floor(math.log2(largest_power))
+
+
+def _log1p(x: Tensor) -> Tensor:
+    """``log(1 + x)`` for ``x ≥ 0`` from ``log``: ``u = 1 + x`` rounded, corrected by its rounding error over ``u``.
+
+    The error of the sum is exact (TwoSum), so the result is within an ulp or two of ``log1p``;
+    for ``x`` below half an ulp of 1 (``u = 1``) it is ``x`` itself.
+    """
+    total = x + 1.0
+    from_x = total - 1.0
+    error = (x - from_x).add_(1.0 - (total - from_x)).div_(total)
+    return total.log_().add_(error)
 
 
 def merged(states: Tensor) -> Tensor:
