@@ -225,10 +225,10 @@ def test_softplus_sums_of_wide_rows_against_float64(dtype: torch.dtype, width: i
         [torch.randn(8, width, generator=generator, dtype=torch.float64) * scale + shift for scale, shift in spreads]
     )
     margins[0, ::3] = -math.inf
-    exact = (margins.clamp(min=0) + torch.log1p(torch.exp(-margins.abs()))).sum(dim=1)
-    ours = softplus_sums(margins.to(dtype))[:, 0].double()
-    relative = ((ours - exact.to(dtype).double()).abs() / exact).max().item()
-    # Measured at most 1.7 ulps in float32 (the sum of the rounded terms alone: 1.6).
+    margins = margins.to(dtype)
+    exact = (margins.double().clamp(min=0) + torch.log1p(torch.exp(-margins.double().abs()))).sum(dim=1)
+    relative = ((softplus_sums(margins)[:, 0].double() - exact).abs() / exact).max().item()
+    # Measured: at most 1.0 eps in float32 and 1.7 in float64 (one log per logit, before: 1.0 and 1.1).
     assert relative <= 8 * torch.finfo(dtype).eps, relative
     special = torch.zeros(3, width, dtype=dtype)
     special[0, -1], special[1, 0], special[2, width // 2] = math.inf, math.nan, -math.inf
