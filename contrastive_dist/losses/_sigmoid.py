@@ -83,7 +83,12 @@ def softplus_sums(margins: Tensor) -> Tensor:
     """
     if margins.device.type != "cpu":
         return F.softplus(margins).sum(dim=1, keepdim=True)
-    products = margins.abs().neg_().exp_()  # the x of each factor 1 + x: e
+    # One buffer serves both passes: a second block-sized temporary made glibc hand the pair back to
+    # the system after each chunk, to fault its pages in again at the next (5.6 against 1.6 ms a
+    # chunk of 256 × 4096 in a loop of calls).
+    buffer = torch.clamp_min(margins, 0.0)
+    positive_parts = buffer.sum(dim=1, keepdim=True)
+    products = torch.abs(margins, out=buffer).neg_().exp_()  # the x of each factor 1 + x: e
     width = products.shape[1]
     for _ in range(_halvings(margins.dtype)):
         if width % 2:
@@ -93,7 +98,6 @@ def softplus_sums(margins: Tensor) -> Tensor:
         second.addcmul_(first, second)  # b + a·b
         first += second
         products = first
-    positive_parts = torch.clamp_min(margins, 0.0).sum(dim=1, keepdim=True)
     return _log1p(products).sum(dim=1, keepdim=True) + positive_parts
 
 
