@@ -37,7 +37,7 @@ from contrastive_dist import (
     siglip,
     supcon,
 )
-from contrastive_dist.losses import _gram, _kernel, _reduction, _same_key
+from contrastive_dist.losses import _same_key, _tiles, _visit
 from contrastive_dist.losses._precision import PRODUCTS_VARIABLE, half_products
 from contrastive_dist.losses._unit import unit_rows
 
@@ -303,13 +303,13 @@ def test_ntxent_unit_vectors_enter_the_products_in_the_features_dtype_on_the_hal
     from contrastive_dist.losses import _frame
 
     monkeypatch.setenv(PRODUCTS_VARIABLE, products)
-    pair_sum, seen = _frame.Call.pair_sum, []
+    weighted_sum, seen = _frame.Call.weighted_sum, []
 
-    def recording(self, queries, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def recording(self, family, queries, *args, **kwargs):  # type: ignore[no-untyped-def]
         seen.append(queries)
-        return pair_sum(self, queries, *args, **kwargs)
+        return weighted_sum(self, family, queries, *args, **kwargs)
 
-    monkeypatch.setattr(_frame.Call, "pair_sum", recording)
+    monkeypatch.setattr(_frame.Call, "weighted_sum", recording)
     first, second = (torch.randn(6, 8, dtype=torch.bfloat16) for _ in range(2))
     nt_xent(first, second)
     unit = F.normalize(torch.stack((first, second), 1).float(), dim=-1).flatten(0, 1)
@@ -512,19 +512,19 @@ def test_keys_as_pairs_or_as_a_mask_match_the_loop_reference(
 def test_gram_losses_take_their_tiles_and_equal_the_rows_against_columns_kernel(
     chunk_size: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # NT-Xent, SupCon and DCL form each pair of tiles of their symmetric matrix once (losses/_gram.py):
-    # the same value and gradients as the rows-against-columns kernel, which it is tested against here.
-    monkeypatch.setattr(_gram, "MIN_DIM", 0)  # the tiles whatever the width (by default from D = 512)
+    # NT-Xent, SupCon and DCL form each pair of tiles of their symmetric matrix once (losses/_tiles.py):
+    # the same value and gradients as rows against columns, which they are tested against here.
+    monkeypatch.setattr(_tiles, "MIN_DIM", 0)  # the tiles whatever the width (by default from D = 512)
     calls: list[int] = []
-    tiled, takes_gram = _reduction.gram_pair_sum, _reduction.takes_gram
-    monkeypatch.setattr(_reduction, "gram_pair_sum", lambda *args: (calls.append(1), tiled(*args))[1])
+    tiled, taken = _tiles.states, _tiles.taken
+    monkeypatch.setattr(_tiles, "states", lambda *args: (calls.append(1), tiled(*args))[1])
     cases = [(kind, "") for kind in KINDS if kind.startswith(("ntxent", "supcon", "dcl"))]
     cases += [("ntxent", "mask"), ("ntxent", "positive")]
     for kind, same_id in cases:
         params, data = make_problem(seed=6, total=9, dtype=torch.float64)
         results = []
         for gram in (True, False):
-            monkeypatch.setattr(_reduction, "takes_gram", takes_gram if gram else lambda direction: False)
+            monkeypatch.setattr(_tiles, "taken", taken if gram else lambda problem, *_, **__: problem._replace(tiles=None))
             before = len(calls)
             loss = package_value(kind, "weighted", params, data, chunk_size=chunk_size, same_id=same_id)
             results.append(value_and_grads(loss, params))
@@ -565,13 +565,13 @@ def test_the_products_policy_keeps_half_features_on_cuda_and_upcasts_on_cpu(monk
         half_products(torch.bfloat16, cpu)
     # Which operands the kernel's products get: half features stay half on the half route only.
     seen: list[torch.dtype] = []
-    real_product = _kernel.product
+    real_product = _visit.product
 
     def spy(first: Tensor, second: Tensor) -> Tensor:
         seen.append(first.dtype)
         return real_product(first, second)
 
-    monkeypatch.setattr(_kernel, "product", spy)
+    monkeypatch.setattr(_visit, "product", spy)
     images = F.normalize(torch.randn(6, 8), dim=-1).bfloat16().requires_grad_()
     for choice in ("auto", "half"):
         monkeypatch.setenv(PRODUCTS_VARIABLE, choice)

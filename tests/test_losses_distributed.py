@@ -37,7 +37,7 @@ from routes import ROUTES, on_route
 from torch import Tensor, nn
 
 from contrastive_dist import DistributedInfoNCE, SharedNegatives, info_nce, nt_xent, retrieval_accuracy, siglip, supcon
-from contrastive_dist.losses import _gram, _reduction, _same_key
+from contrastive_dist.losses import _same_key, _tiles
 from contrastive_dist.losses._precision import PRODUCTS_VARIABLE
 from contrastive_dist.testing import WorkerPool
 
@@ -96,16 +96,16 @@ def _local(data: dict[str, Tensor], shards: tuple[int, ...], negative_shards: tu
 
 def run_cases(rank: int, world_size: int, communication: str, all_cases: list[Case]) -> list[tuple[Tensor, dict]]:
     results = []
-    kept = _same_key.SPARSE_AT_MOST, _gram.MIN_DIM, _gram.RING_MIN_DIM, _gram.ONE_PROCESS
+    kept = _same_key.SPARSE_AT_MOST, _tiles.MIN_DIM, _tiles.RING_MIN_DIM, _tiles.ONE_PROCESS
     try:
         for seed, case in enumerate(all_cases):
             # Pairs that share a key (ids, labels): as indices in one case, as a mask in the next (_same_key);
             # Gram losses: by tiles in two cases of four, whatever their width and world size (both modes).
             _same_key.SPARSE_AT_MOST = 1.0 if seed % 2 == 0 else -1.0
-            _gram.MIN_DIM, _gram.RING_MIN_DIM, _gram.ONE_PROCESS = (0, 0, False) if seed % 4 < 2 else kept[1:]
+            _tiles.MIN_DIM, _tiles.RING_MIN_DIM, _tiles.ONE_PROCESS = (0, 0, False) if seed % 4 < 2 else kept[1:]
             results.append(_run_case(seed, case, rank, communication))
     finally:
-        _same_key.SPARSE_AT_MOST, _gram.MIN_DIM, _gram.RING_MIN_DIM, _gram.ONE_PROCESS = kept
+        _same_key.SPARSE_AT_MOST, _tiles.MIN_DIM, _tiles.RING_MIN_DIM, _tiles.ONE_PROCESS = kept
     return results
 
 
@@ -171,16 +171,15 @@ def _ring_tiles(rank: int, world_size: int) -> dict[str, Any]:
 
     Returns each call's value and gradients, and which calls took the tiles.
     """
-    taken = _reduction.gram_ring_pair_sum, _reduction.gram_ring_rows
-    kept, formed = _gram.RING_MIN_DIM, []
+    taken = _tiles.states
+    kept, formed = _tiles.RING_MIN_DIM, []
     outcome: dict[str, Any] = {}
     members, group_shards = [0, 2], (2, 5)
     group = dist.new_group(members)
     try:
-        _gram.RING_MIN_DIM = 0  # whatever the width
+        _tiles.RING_MIN_DIM = 0  # whatever the width
         for kind in GRAM_KINDS:
-            _reduction.gram_ring_pair_sum = lambda *args, kind=kind: (formed.append(kind), taken[0](*args))[1]
-            _reduction.gram_ring_rows = lambda *args, kind=kind: (formed.append(kind), taken[1](*args))[1]
+            _tiles.states = lambda *args, kind=kind: (formed.append(kind), taken(*args))[1]
             for name, shards, where in (("ranks", (3, 0, 4), None), ("empty", (0, 0, 0), None),
                                         ("group", group_shards, group)):  # fmt: skip
                 if where is not None and rank not in members:
@@ -193,15 +192,15 @@ def _ring_tiles(rank: int, world_size: int) -> dict[str, Any]:
                     _, grads = value_and_grads(objective(value, mode, local["upstream"]), params)
                     outcome[f"{name} {kind} {mode}"] = (value.detach(), grads)
     finally:
-        _reduction.gram_ring_pair_sum, _reduction.gram_ring_rows = taken
-        _gram.RING_MIN_DIM = kept
+        _tiles.states = taken
+        _tiles.RING_MIN_DIM = kept
         dist.destroy_process_group(group)
     outcome["formed"] = formed
     return outcome
 
 
 def test_gram_losses_in_ring_mode_take_their_tiles(pool: Callable[[int], WorkerPool]) -> None:
-    # Ring mode's NT-Xent, SupCon and DCL form each pair of tiles once (losses/_gram_ring.py), weighted and per
+    # Ring mode's NT-Xent, SupCon and DCL form each pair of tiles once (losses/_tiles.py), weighted and per
     # row, as in two cases of four of the matrix above; here every call does, on 3 ranks (one empty), with an
     # empty global batch, and on a subgroup of ranks {0, 2}.
     per_rank = pool(3).run(_ring_tiles, timeout=120)

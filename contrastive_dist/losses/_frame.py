@@ -1,56 +1,54 @@
 """The loss frame: what every loss does around its formula, written once.
 
-A loss function names its own checks and options and then states its formula — its family, rows,
-columns, targets and directions. The frame runs the rest, in this order:
+A loss function states its own checks and options, then its formula in plain torch around the
+frame's per-row primitive. The frame runs the rest, in this order:
 
 1. :func:`begin`: the loss's own checks, then the common ones (reduction, communication, chunk size,
    scale, weights, ids), in one :func:`~contrastive_dist._validation.collect`; then the agreement —
    options, sizes, flags and the weight total in one exchange, the same error on every rank;
-2. :meth:`Call.keys`: ids (or labels) as the kernel compares them, decided alike on every rank;
-3. :meth:`Call.meet`: this rank's columns through the chosen transport;
-4. :meth:`Call.pairs` and :meth:`Call.pair_sum`: the kernel call, ``Σ_i w_i ℓ_i`` (or the ``ℓ_i``);
-5. :meth:`Call.share`: this rank's share of the global mean (the gradient contract), or the rows.
+2. :meth:`Call.keys`: ids (or labels) as the driver compares them, decided alike on every rank;
+3. :meth:`Call.columns`: this rank's columns through the chosen transport, with what travels with them;
+4. the primitive: :meth:`Call.rows` — each row's value of a family (the masked log-sum-exp against its
+   positives, the negatives-only log-sum-exp, the softplus sum), differentiable in both transports — and
+   :meth:`Call.weighted_sum`, its fused ``Σ_i w_i ℓ_i`` (gradients formed with the logits, the same
+   numbers); :meth:`Call.mean` is the usual composition of the two with the reduction;
+5. :meth:`Call.share`: this rank's share of the global mean, the gradient contract: with weights
+   ``w_i`` a loss is ``Σ_i w_i ℓ_i / Σ_global w_i``, and each rank returns ``W · Σ_local w_i ℓ_i /
+   Σ_global w_i``, whose mean over the ranks — what DDP's gradient averaging differentiates — is the
+   global mean, for any per-rank batch sizes, 0 included.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
+import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._dist import is_distributed
 from contrastive_dist._validation import collect
 from contrastive_dist.engine._agreement import Layout, agree
-from contrastive_dist.losses._columns import Columns, meet
-from contrastive_dist.losses._kernel import Family, Pairs
+from contrastive_dist.engine._wire import all_reduce
+from contrastive_dist.losses import _driver
+from contrastive_dist.losses._families import Family
 from contrastive_dist.losses._options import (
-    Communication,
-    Reduction,
-    SameId,
-    agreed_options,
-    check_chunk_size,
-    check_communication,
-    check_ids,
-    check_reduction,
-    check_same_id,
-    check_temperature,
-    check_weight,
-    positive_scalar,
-    resolve_scale,
-)
-from contrastive_dist.losses._precision import compute_dtype
-from contrastive_dist.losses._reduction import Direction, mean_over_directions, mean_share, weight_total
+    Communication, Reduction, SameId, agreed_options, check_chunk_size, check_communication, check_ids,
+    check_reduction, check_same_id, check_temperature, check_weight, positive_scalar, resolve_scale,
+)  # fmt: skip
+from contrastive_dist.losses._precision import compute_dtype, operands
 from contrastive_dist.losses._targets import SMALL_KEYS, RowTargets, comparable_keys, small_keys_flag
+from contrastive_dist.losses._transports import Columns, meet, transport_of
 
 __all__ = ["Call", "Common", "begin"]
 
 Own = TypeVar("Own", bound=tuple[Any, ...])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Common:
     """The options every loss takes, as the caller gave them (checked by :func:`begin`).
 
@@ -76,7 +74,7 @@ class Call(Generic[Own]):
     """One checked, agreed call of a loss: its own inputs, the common ones, and every rank's layout.
 
     Attributes:
-        own: what the loss's own check returned (its features first).
+        own: what the loss's own check returned (a named tuple, its rows' features first).
         scale: ``()`` the logit scale, in the compute dtype.
         chunk: rows per logit block, or ``None`` (chosen from the shapes).
         weights: ``(n_r,)`` the rows' weights, detached, or ``None``.
@@ -99,60 +97,110 @@ class Call(Generic[Own]):
         return self.common.reduction == "none"
 
     def keys(self, keys: Tensor | None, *, small: bool = True) -> Tensor | None:
-        """``keys`` (ids, labels) as the kernel compares them: floats where every rank's are small integers.
+        """``keys`` (ids, labels) as the driver compares them: floats where every rank's are small integers.
 
         ``small``: what the caller knows of keys the agreement did not see (sample indices: their count).
         """
         if keys is None:
             return None
-        every_rank_small = small and self.layout.every_rank_has(SMALL_KEYS)
-        return comparable_keys(keys, self.scale.dtype, every_rank_small)
+        return comparable_keys(keys, self.scale.dtype, small and self.layout.every_rank_has(SMALL_KEYS))
 
-    def meet(self, own: Sequence[Tensor | None], *, per_sample: int = 1) -> Columns:
-        """The columns of this rank's ``own`` (features first, then what travels with them; ``None``: left out)."""
-        present = [tensor for tensor in own if tensor is not None]
-        return meet(self.common.communication, self.layout, present, per_sample=per_sample)
+    def columns(self, features: Tensor, *, keys: Tensor | None = None, per_sample: int = 1,
+                negatives: object = None, negative_keys: Tensor | None = None, own_losses: bool = False) -> Columns:  # fmt: skip
+        """The columns this rank's rows meet: every rank's ``features`` (``per_sample`` rows a sample), their keys.
 
-    def pairs(self, family: Family, rows: RowTargets, met: Columns, *, keyed: bool, **more: Any) -> Pairs:
-        """The fixed parts of a kernel call against the columns ``met`` (keys: ``met.tensors[1]``, when ``keyed``)."""
-        column_keys = met.tensors[1] if keyed else None
-        return Pairs(family, rows, met.transport, self.chunk, column_keys=column_keys, key_rows=met.rows, **more)
+        ``negatives``: InfoNCE's extra columns, this rank's own (after its features, every rank's) or
+        :class:`~contrastive_dist.SharedNegatives` (held here), with ``negative_keys``. ``own_losses``: the
+        features' columns have losses of their own, from the same logits (a symmetric loss); in gather
+        mode the rows' weights travel with them.
 
-    def pair_sum(self, queries: Tensor, keys: Tensor, pairs: Pairs, *, bias: Tensor | None = None,
-                 weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """``Σ_i w_i ℓ_i`` of ``queries`` against ``keys`` (or the ``ℓ_i``), and which rows have a loss.
-
-        ``weights``: per query row (default: the call's, one per local row).
+        Shape:
+            features: ``(n_r · per_sample, D)``; keys: ``(n_r · per_sample,)``.
         """
+        layout, mode = self.layout, self.common.communication
+        travelling = self.weights if own_losses and mode == "gather" else None
+        met = meet(mode, layout, [t for t in (operands(features), keys, travelling) if t is not None],
+                   per_sample=per_sample)  # fmt: skip
+        counts = tuple(size * per_sample for size in layout.sizes)
+        columns = Columns(met[0], met[1] if keys is not None else None, transport_of(mode, layout, counts, per_sample),
+                          counts, counts, own_losses=counts if own_losses else None,
+                          weights=met[-1] if travelling is not None else None)  # fmt: skip
+        if negatives is None:
+            return columns
+        from contrastive_dist.losses._negatives import with_negatives
+
+        return with_negatives(columns, negatives, negative_keys, layout)
+
+    def rows(self, family: Family, queries: Tensor, columns: Columns, targets: RowTargets, *,
+             scale: Tensor | None = None, bias: Tensor | None = None, tiles: RowTargets | None = None,
+             ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """The primitive: each row's value of ``family`` against the columns (``scale``: default the call's).
+
+        Returns the rows' values, this rank's own columns' (``own_losses``; else empty) and whether each
+        row has one; differentiable, its gradient formed in backward. ``tiles``: a Gram loss's every-row
+        targets (:class:`~._driver.Problem`).
+        """
+        problem = _driver.Problem(family, targets, columns, self.chunk, tiles)
+        scale = self.scale if scale is None else scale
+        return _driver.per_row(operands(queries), columns.features, scale, bias, problem)
+
+    def weighted_sum(self, family: Family, queries: Tensor, columns: Columns, targets: RowTargets, *,
+                     weights: Tensor | None = None, bias: Tensor | None = None, tiles: RowTargets | None = None,
+                     ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """``Σ_i w_i ℓ_i`` of :meth:`rows` (symmetric: the own columns' too), fused; whether each row has a loss.
+
+        ``weights``: per query row (default: the call's).
+        """
+        problem = _driver.Problem(family, targets, columns, self.chunk, tiles)
         weights = self.weights if weights is None else weights
-        direction = Direction(queries, keys, self.scale, bias, pairs)
-        return mean_over_directions([direction], weights=weights, per_row=self.per_row)
+        return _driver.weighted_sum(operands(queries), columns.features, self.scale, bias, problem, weights)
+
+    def mean(self, family: Family, queries: Tensor, columns: Columns, targets: RowTargets, *,
+             bias: Tensor | None = None) -> Tensor:  # fmt: skip
+        """The loss: each row's value (a symmetric loss's: the mean of its two directions) or this rank's share."""
+        if self.per_row:
+            rows, own_columns, _ = self.rows(family, queries, columns, targets, bias=bias)
+            return rows if columns.own_losses is None else (rows + own_columns) * 0.5
+        total, _ = self.weighted_sum(family, queries, columns, targets, bias=bias)
+        return self.share(total if columns.own_losses is None else total * 0.5)
 
     def share(self, value: Tensor, denominator: Tensor | int | None = None) -> Tensor:
-        """The share of this rank in the global mean of ``value`` summed over the ranks (the gradient contract).
+        """``W · value / denominator``: this rank's share of the global mean; 0 when the denominator is 0.
 
-        ``denominator``: the global weight total or row count, default the agreed one.
+        ``denominator``: global — the row count (an int: no collective), or a 0-d tensor such as the agreed
+        weight total (default). A zero denominator means every term is 0 too (an empty global batch, all
+        weights 0): the result is then a zero still connected to the graph, so every rank still runs the
+        backward collectives.
         """
         if denominator is None:
             denominator = sum(self.layout.sizes) if self.layout.total is None else self.layout.total
-        return mean_share(value, self.layout, denominator)
+        world_size = self.layout.world_size
+        if isinstance(denominator, int):
+            return value * (world_size / denominator if denominator > 0 else 0.0)
+        denominator = denominator.to(value.dtype)
+        positive = denominator > 0
+        return value * torch.where(positive, world_size / torch.where(positive, denominator, 1.0), 0.0)
+
+    def summed(self, value: Tensor) -> Tensor:
+        """``value`` summed over the ranks (one scalar all-reduce; traceable under ``torch.compile``)."""
+        if self.layout.world_size == 1:
+            return value
+        if torch.compiler.is_compiling():
+            import torch.distributed._functional_collectives as funcol
+
+            return funcol.all_reduce(value, "sum", cast(ProcessGroup, self.layout.group or dist.group.WORLD))
+        total = value.clone()
+        all_reduce(total, self.layout.group, operation="loss reduction (all-reduce)")
+        return total
 
 
-def begin(
-    common: Common,
-    check: Callable[[], Own],
-    inputs: Sequence[object],
-    *,
-    options: Mapping[str, object],
-    keyed: Sequence[object] = (),
-    extra: int = 0,
-    total: bool = True,
-) -> Call[Own]:
+def begin(check: Callable[[], Own], common: Common, *, inputs: Sequence[object], options: Mapping[str, object],
+          keyed: Sequence[object] = (), extra: int = 0, total: bool = True) -> Call[Own]:  # fmt: skip
     """Check a call on this rank and agree on it with every rank; the same error everywhere if any rank's is wrong.
 
     Args:
-        common: the options every loss takes.
         check: the loss's own checks; returns its checked inputs, the rows' features first.
+        common: the options every loss takes.
         inputs: the tensors every rank compares (rows counted from the first); ``None`` entries left out.
         options: the loss's own options that every rank must share.
         keyed: id-like tensors beside ``common.ids`` whose keys every rank must compare alike.
@@ -178,14 +226,12 @@ def begin(
     result, problem = collect(checked)
     flags: int | Tensor = 0
     if result is not None:
-        dtype = compute_dtype(result[0][0].dtype)
-        flags = SMALL_KEYS
-        exchanged = is_distributed(common.group)
+        dtype, exchanged, flags = compute_dtype(result[0][0].dtype), is_distributed(common.group), SMALL_KEYS
         for keys in (result[4], *keyed):  # every rank's keys small, or compared as integers everywhere
             flags = small_keys_flag(keys if isinstance(keys, Tensor) else None, dtype, exchanged=exchanged) & flags
     # Whether ids are given is agreed for every loss; what equal ids mean, for the losses that say.
     same_id = {} if common.same_id is None else {"same_id": common.same_id}
-    options = {"ids": common.ids is not None, **same_id, **options}
+    weight_total = None if result is None or not total or result[3] is None else result[3].sum(dtype=torch.float64)
     layout = agree(
         [tensor for tensor in (*inputs, common.ids) if tensor is not None],
         problem=problem,
@@ -193,13 +239,12 @@ def begin(
         operation=common.operation,
         options=agreed_options(chunk_size=common.chunk_size, communication=common.communication,
                                reduction=common.reduction, weight=common.weight, temperature=common.temperature,
-                               logit_scale=common.logit_scale, **options),
+                               logit_scale=common.logit_scale, ids=common.ids is not None, **same_id, **options),
         sizes=common.sizes,
         extra=extra,
-        total=None if result is None or not total else weight_total(result[3]),
+        total=weight_total,
         flags=flags,
     )
     assert result is not None  # the agreement raised otherwise
     own, scale, chunk, weights, ids = result
     return Call(own, scale, chunk, weights, ids, layout, common)
-

@@ -11,7 +11,6 @@ queue) are columns held here: the kernel meets them locally, with no transfer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -21,17 +20,16 @@ from contrastive_dist._validation import check_features
 from contrastive_dist.engine._agreement import Layout
 from contrastive_dist.engine._ring import Ring
 from contrastive_dist.engine.gather import gather_agreed
-from contrastive_dist.losses._columns import Columns, OneBlock, RingBlocks
 from contrastive_dist.losses._precision import operands
+from contrastive_dist.losses._transports import Columns, OneBlock, RingBlocks
 
 __all__ = [
     "SharedNegatives",
     "check_negative_ids",
     "check_negatives",
-    "negatives_kind",
+    "negatives_options",
     "shared_negatives_option",
-    "text_columns",
-    "with_own_negatives",
+    "with_negatives",
 ]
 
 
@@ -74,11 +72,16 @@ def check_negatives(negatives: object, texts: Tensor) -> Tensor | SharedNegative
     return SharedNegatives(keys.detach().to(texts.device)) if shared else keys
 
 
-def negatives_kind(negatives: object) -> str:
-    """``"none"``, ``"own"`` or ``"shared"``: an option every rank must agree on."""
-    if negatives is None:
-        return "none"
-    return "shared" if isinstance(negatives, SharedNegatives) else "own"
+def negatives_options(negatives: object, negative_ids: object) -> dict[str, object]:
+    """What every rank must agree on of the negatives: their kind, whether they have ids, the shared ones' digest.
+
+    Example:
+        >>> negatives_options(None, None)
+        {'negatives': 'none', 'negative_ids': False, 'shared_negatives': None}
+    """
+    kind = "none" if negatives is None else "shared" if isinstance(negatives, SharedNegatives) else "own"
+    shared = shared_negatives_option(negatives, negative_ids)
+    return {"negatives": kind, "negative_ids": negative_ids is not None, "shared_negatives": shared}
 
 
 def check_negative_ids(negative_ids: object, ids: object, negatives: object) -> None:
@@ -128,45 +131,30 @@ def shared_negatives_option(negatives: object, negative_ids: object) -> str | No
     return f"{text}, negative_ids #{digest:012x}"
 
 
-def with_own_negatives(columns: Columns, negatives: Sequence[Tensor | None], layout: Layout) -> Columns:
-    """``columns`` with every rank's own negatives after its texts: each tensor of ``negatives`` joins its peer.
+def with_negatives(columns: Columns, negatives: Tensor | SharedNegatives, negative_keys: Tensor | None,
+                   layout: Layout) -> Columns:  # fmt: skip
+    """``columns`` with InfoNCE's extra negatives: every rank's own after its features, or the shared ones held here.
 
-    A ``None`` leaves its peer as it is (negatives without ids: the columns' ids then cover the texts
-    only, and the negatives share no id). Gather mode: every rank's negatives gathered (their agreed
-    counts, one more collective) after every rank's texts. Ring mode: this rank's appended to its
-    block, which now has ``n_r + k_r`` columns.
+    Own negatives: gather mode gathers every rank's (their agreed counts, one more collective) after every
+    rank's features; ring mode appends this rank's to its block, which then has ``n_r + k_r`` columns.
+    Their keys join the features' keys (without keys of their own, the columns' keys cover the features
+    only, and the negatives share none with any row).
     """
+    if isinstance(negatives, SharedNegatives):
+        return columns._replace(local=(operands(negatives.keys), negative_keys))
+    own = [operands(negatives), negative_keys if columns.keys is not None else None]
+    present = [tensor for tensor in own if tensor is not None]
     counts = layout.extra_sizes
-    present = [(index, tensor) for index, tensor in enumerate(negatives) if tensor is not None]
+    gather = isinstance(columns.transport, OneBlock) and layout.world_size > 1
+    gathered = iter(gather_agreed(present, layout._replace(sizes=counts)).tensors if gather else present)
+    features = torch.cat((columns.features, next(gathered).to(columns.features.dtype)))
+    keys = columns.keys
+    if keys is not None and negative_keys is not None:
+        keys = torch.cat((keys, next(gathered).to(keys.dtype)))
     if isinstance(columns.transport, OneBlock):
-        gathered = gather_agreed([tensor for _, tensor in present], layout._replace(sizes=counts)).tensors
-        rows = columns.rows
-    else:
-        gathered = tuple(tensor for _, tensor in present)
-        ring = columns.transport.ring
-        rows = tuple(size + count for size, count in zip(columns.rows, counts, strict=True))
-    joined = list(columns.tensors)
-    for (index, _), extra in zip(present, gathered, strict=True):
-        joined[index] = torch.cat((joined[index], extra.to(joined[index].dtype)))
-    if isinstance(columns.transport, OneBlock):
-        return Columns(tuple(joined), columns.transport, rows)
-    return Columns(tuple(joined), RingBlocks(Ring(ring.rank, ring.world_size, rows, ring.group)), rows)
-
-
-def text_columns(
-    texts: Columns,
-    keyed: bool,
-    negatives: Tensor | SharedNegatives | None,
-    negative_keys: Tensor | None,
-    layout: Layout,
-) -> tuple[Columns, tuple[int, ...]]:
-    """InfoNCE's columns: the texts (and their keys when ``keyed``), every rank's own negatives after them.
-
-    Returns the columns and every rank's number of keyed columns (its texts, and its negatives when
-    they have keys: ``negative_keys``).
-    """
-    columns = Columns((operands(texts.tensors[0]), *texts.tensors[1 : 1 + keyed]), texts.transport, texts.rows)
-    if not isinstance(negatives, Tensor):
-        return columns, texts.rows
-    joined = with_own_negatives(columns, (operands(negatives), negative_keys if keyed else None), layout)
-    return joined, joined.rows if keyed and negative_keys is not None else texts.rows
+        return columns._replace(features=features, keys=keys)
+    rows = tuple(size + count for size, count in zip(columns.counts, counts, strict=True))
+    keyed = rows if negative_keys is not None else columns.key_counts
+    ring = columns.transport.ring
+    transport = RingBlocks(Ring(ring.rank, ring.world_size, rows, ring.group))
+    return columns._replace(features=features, keys=keys, transport=transport, counts=rows, key_counts=keyed)

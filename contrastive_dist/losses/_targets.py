@@ -1,12 +1,11 @@
 """Where a block's rows find their positives, which columns they leave out, and which pairs share a key.
 
 A loss says, for each of its rows, where its positive and its excluded column sit in *its own
-rank's* column block; a transport says where that block starts among the columns a rank meets
-(gather mode: at the rank's offset among the gathered columns; ring mode: at 0, on the hop that
-brings the rank's own block, and nowhere on the others). :meth:`RowTargets.block` combines both
-into the :class:`Targets` of one chunk of rows against one block. Keys (SupCon's labels, sample
-ids) travel with their columns like any other data, so pairs that share a key are found in every
-block.
+rank's* column block (:class:`RowTargets`); the driver says where that block sits among the columns
+a visit meets (:mod:`._transports`), and the two make the :class:`Indices` of one side of a visit:
+raw indices, which the fused epilogue reads as they are and the eager one turns into
+:class:`Targets` (:meth:`Indices.targets`). Keys (SupCon's labels, sample ids) travel with their
+columns like any other data, so pairs that share a key are found in every block.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from contrastive_dist.losses._same_key import SameKey, same_key
 __all__ = [
     "MASKED",
     "SMALL_KEYS",
+    "Indices",
     "KeyRule",
     "Located",
     "RowTargets",
@@ -165,12 +165,43 @@ class Targets(NamedTuple):
         if self.excluded is not None:
             self.excluded.write_(logits, float("-inf"))
 
-    def transposed(self, column_positive: Located | None) -> Targets:
-        """The targets of the block's columns against its rows (ring mode's column direction).
 
-        ``column_positive``: the row of each column's positive. Keys swap sides; a column excludes no row.
-        """
-        return Targets(column_positive, None, self.column_keys, self.row_keys, self.key_rule)
+class Indices(NamedTuple):
+    """One side of a visit: ``c`` rows against a block of ``width`` columns, as raw indices.
+
+    Attributes:
+        positive: ``(c,)`` int64 each row's positive column, counted from ``shift`` (``positive − shift`` is
+            its column in the block), or ``None``: none (or positives by key).
+        excluded: ``(c,)`` int64 a column each row leaves out, counted from ``shift`` too, or ``None``.
+        row_keys: ``(c,)`` the rows' keys, with ``column_keys`` ``(k,)`` those of the block's first ``k``
+            columns (the others have none: they share none with any row); ``None``: no keys.
+        column_keys: see ``row_keys``.
+        key_rule: what equal keys mean (:data:`KeyRule`).
+        shift: see ``positive``; a visit of a chunk shifts by its first row instead of copying the indices.
+        width: the block's columns: an index outside ``[0, width)`` after the shift is none.
+        inside: every index is inside the block: no row needs a presence mask.
+    """
+
+    positive: Tensor | None = None
+    excluded: Tensor | None = None
+    row_keys: Tensor | None = None
+    column_keys: Tensor | None = None
+    key_rule: KeyRule = "positive"
+    shift: int = 0
+    width: int = 0
+    inside: bool = True
+
+    def targets(self) -> Targets:
+        """The same targets for the eager family functions: located columns."""
+
+        def located(index: Tensor | None) -> Located | None:
+            if index is None:
+                return None
+            index = index if self.shift == 0 else index - self.shift
+            return Located(index[:, None]) if self.inside else partly_located(index, self.width)
+
+        rule = self.key_rule
+        return Targets(located(self.positive), located(self.excluded), self.row_keys, self.column_keys, rule)
 
 
 class RowTargets(NamedTuple):
@@ -192,31 +223,6 @@ class RowTargets(NamedTuple):
     keys: Tensor | None = None
     key_rule: KeyRule = "positive"
     column_positive: Tensor | None = None
-
-    def block(self, own_start: int | None, start: int, stop: int, column_keys: Tensor | None) -> Targets:
-        """The targets of rows ``start:stop`` against a block.
-
-        ``own_start``: where this rank's own columns start in the block (``None``: it is another rank's).
-        """
-
-        def located(index: Tensor | None) -> Located | None:
-            if index is None or own_start is None:
-                return None
-            return Located((index[start:stop] + own_start)[:, None])
-
-        keys = None if self.keys is None else self.keys[start:stop]
-        return Targets(located(self.positive), located(self.excluded), keys, column_keys, self.key_rule)
-
-    def columns(self, own_block: bool, start: int, rows: int, targets: Targets) -> Targets:
-        """The column direction of ``targets``, for ring mode's symmetric losses.
-
-        ``targets`` are a chunk of ``rows`` rows from ``start`` against a block's first columns; only
-        this rank's own block holds their positives.
-        """
-        positive = None
-        if self.column_positive is not None and own_block:
-            positive = partly_located(self.column_positive - start, rows)
-        return targets.transposed(positive)
 
 
 def pair_targets(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -10,12 +11,13 @@ from torch.distributed import ProcessGroup
 
 from contrastive_dist._validation import check_pair
 from contrastive_dist.engine.gather import gather_agreed
-from contrastive_dist.losses._frame import Common, begin
-from contrastive_dist.losses._kernel import DECOUPLED
+from contrastive_dist.losses._families import DECOUPLED
+from contrastive_dist.losses._frame import Call, Common, begin
 from contrastive_dist.losses._module import HeldOptions
 from contrastive_dist.losses._options import Communication, Reduction, check_positive_weight, check_sigma
 from contrastive_dist.losses._precision import full_precision
 from contrastive_dist.losses._targets import RowTargets
+from contrastive_dist.losses._transports import Columns
 from contrastive_dist.losses.ntxent import two_views
 
 __all__ = ["DCLLoss", "dcl"]
@@ -65,20 +67,18 @@ def dcl(
         first, second = check_pair("z1", z1, "z2", z2)
         return first, second, check_sigma(sigma, positive_weight), check_positive_weight(positive_weight, first)
 
-    common = Common("dcl", logit_scale, temperature, chunk_size, group, sizes, weight, reduction, communication, ids)
-    options = {"sigma": sigma, "positive_weight": positive_weight is not None}
-    call = begin(common, own, (z1, z2, positive_weight), options=options)
+    call = begin(own, Common(operation="dcl", logit_scale=logit_scale, temperature=temperature, chunk_size=chunk_size,
+                             group=group, sizes=sizes, weight=weight, reduction=reduction,
+                             communication=communication, ids=ids),
+                 inputs=(z1, z2, positive_weight), options={"sigma": sigma, "positive_weight": positive_weight is not None})  # fmt: skip
     first, second, sigma_, given = call.own
     start, samples = call.layout.offset, first.shape[0]
     with full_precision(first.device):
-        # Keys leave each anchor's own sample (and, with ids, its id's) out of its negatives.
-        index = call.ids if call.ids is not None else torch.arange(start, start + samples, device=first.device)
-        keys = call.keys(index, small=call.ids is not None or sum(call.layout.sizes) <= 2**24)
-        views, anchor_keys, anchor_weights = two_views(call, first, second, keys)
-        columns = call.meet((views, anchor_keys), per_sample=2)
-        gram = RowTargets(keys=columns.tensors[1], key_rule="mask")  # every row of the global matrix
-        pairs = call.pairs(DECOUPLED, RowTargets(keys=anchor_keys, key_rule="mask"), columns, keyed=True, gram=gram)
-        value, has_negative = call.pair_sum(views, columns.tensors[0], pairs, weights=anchor_weights)
+        views, weights, columns, targets, tiles = decoupled_views(call, first, second)
+        if call.per_row:
+            value, _, has_negative = call.rows(DECOUPLED, views, columns, targets, tiles=tiles)
+        else:
+            value, has_negative = call.weighted_sum(DECOUPLED, views, columns, targets, weights=weights, tiles=tiles)
         cosine = (views[0::2] * views[1::2]).sum(dim=1)
         v = given if given is not None else torch.ones_like(cosine)
         if sigma_ is not None:
@@ -88,8 +88,28 @@ def dcl(
         positive = ((call.scale * cosine)[:, None] * v).expand(samples, 2).flatten() * has_negative
         if call.per_row:
             return (value - positive).view(-1, 2).mean(dim=1)
-        value = value - (positive.sum() if anchor_weights is None else positive @ anchor_weights)
+        value = value - (positive.sum() if weights is None else positive @ weights)
     return call.share(value * 0.5)
+
+
+def decoupled_views(
+    call: Call[Any], first: Tensor, second: Tensor
+) -> tuple[Tensor, Tensor | None, Columns, RowTargets, RowTargets]:
+    """NT-Xent's anchors as a decoupled loss meets them: unit views, their columns, every view's negatives only.
+
+    Keys leave each anchor's own sample (and, with ids, its id's) out of its negatives: the sample's index,
+    or its id.
+
+    Returns:
+        The views ``(2 n_r, D)`` and their weights (:func:`~contrastive_dist.losses.ntxent.two_views`), their
+        columns, the rows' targets and every row's (a Gram loss's tiles).
+    """
+    start, samples = call.layout.offset, first.shape[0]
+    index = call.ids if call.ids is not None else torch.arange(start, start + samples, device=first.device)
+    keys = call.keys(index, small=call.ids is not None or sum(call.layout.sizes) <= 2**24)
+    views, anchor_keys, weights = two_views(call, first, second, keys)
+    columns = call.columns(views, keys=anchor_keys, per_sample=2)
+    return views, weights, columns, RowTargets(keys=anchor_keys, key_rule="mask"), RowTargets(key_rule="mask")
 
 
 class DCLLoss(HeldOptions):

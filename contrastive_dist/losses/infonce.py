@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._validation import check_pair
+from contrastive_dist.losses._families import SOFTMAX
 from contrastive_dist.losses._frame import Common, begin
-from contrastive_dist.losses._kernel import SOFTMAX
 from contrastive_dist.losses._module import HeldOptions
-from contrastive_dist.losses._negatives import (
-    SharedNegatives,
-    check_negative_ids,
-    check_negatives,
-    negatives_kind,
-    shared_negatives_option,
-    text_columns,
-)
+from contrastive_dist.losses._negatives import SharedNegatives, check_negative_ids, check_negatives, negatives_options
 from contrastive_dist.losses._options import Communication, Reduction, SameId, check_bool, check_ids
-from contrastive_dist.losses._precision import full_precision, operands
+from contrastive_dist.losses._precision import full_precision
 from contrastive_dist.losses._targets import pair_targets
 
 __all__ = ["DistributedInfoNCE", "info_nce"]
@@ -117,47 +111,38 @@ def info_nce(
 
     """
 
-    def own() -> tuple[Tensor, Tensor, Tensor | SharedNegatives | None, Tensor | None]:
+    def own() -> _Inputs:
         images, texts = check_pair("image_features", image_features, "text_features", text_features)
         check_bool("symmetric", symmetric)
-        extra = check_negatives(negatives, texts)
+        extra = None if negatives is None else check_negatives(negatives, texts)
         check_negative_ids(negative_ids, ids, extra)
         extra_rows = 0 if extra is None else (extra.keys if isinstance(extra, SharedNegatives) else extra).shape[0]
-        return images, texts, extra, check_ids("negative_ids", negative_ids, extra_rows, images)
+        return _Inputs(images, texts, extra, check_ids("negative_ids", negative_ids, extra_rows, images))
 
-    common = Common("info_nce", logit_scale, temperature, chunk_size, group, sizes, weight, reduction, communication,
-                    ids, same_id)
     own_negatives = negatives if isinstance(negatives, Tensor) else None
-    options = {"symmetric": symmetric, "negatives": negatives_kind(negatives), "negative_ids": negative_ids is not None,
-               "shared_negatives": shared_negatives_option(negatives, negative_ids)}  # identical on every rank
-    call = begin(common, own, (image_features, text_features, own_negatives, negative_ids), options=options,
-                 keyed=(negative_ids,), extra=0 if own_negatives is None else own_negatives.shape[0])
+    options = {"symmetric": symmetric, **negatives_options(negatives, negative_ids)}  # identical on every rank
+    call = begin(own, Common(operation="info_nce", logit_scale=logit_scale, temperature=temperature,
+                             chunk_size=chunk_size, group=group, sizes=sizes, weight=weight, reduction=reduction,
+                             communication=communication, ids=ids, same_id=same_id),
+                 inputs=(image_features, text_features, own_negatives, negative_ids), options=options,
+                 keyed=(negative_ids,), extra=0 if own_negatives is None else own_negatives.shape[0])  # fmt: skip
     images, texts, extra, extra_ids = call.own
-    ring = communication == "ring"
     with full_precision(images.device):
-        keys, negative_keys = call.keys(call.ids), call.keys(extra_ids)
-        # Gather mode's text→image direction weighs every rank's texts: their weights travel with them.
-        weighed = call.weights if symmetric and not ring else None
-        texts_met = call.meet((texts, keys, weighed))
-        columns, column_key_rows = text_columns(texts_met, keys is not None, extra, negative_keys, call.layout)
-        # Text j's image: row j of its own rank (ring: its own block's column j; gather: the offset's).
-        column_positive = None
-        if symmetric:
-            column_positive = torch.arange(texts_met.tensors[0].shape[0], device=images.device)
-            column_positive = column_positive if ring else column_positive - call.layout.offset
-        pairs_with = torch.arange(images.shape[0], device=images.device)
-        rows = pair_targets(pairs_with, keys=keys, same_id=same_id, column_positive=column_positive)
-        shared = extra if isinstance(extra, SharedNegatives) else None
-        pairs = call.pairs(
-            SOFTMAX, rows, columns, keyed=keys is not None,
-            column_key_rows=column_key_rows,
-            columns=call.layout.sizes if symmetric else None,  # the texts' own losses, from the same logits
-            local_keys=None if shared is None else shared.keys,
-            local_column_keys=None if shared is None else negative_keys,
-            column_weights=texts_met.tensors[-1] if weighed is not None else None,
-        )
-        value, _ = call.pair_sum(operands(images), columns.tensors[0], pairs)
-    return value if call.per_row else call.share(value)
+        keys = call.keys(call.ids)
+        columns = call.columns(texts, keys=keys, negatives=extra, negative_keys=call.keys(extra_ids),
+                               own_losses=symmetric)  # fmt: skip
+        pairs = torch.arange(images.shape[0], device=images.device)  # image i's text is text i, and back
+        targets = pair_targets(pairs, keys=keys, same_id=same_id, column_positive=pairs if symmetric else None)
+        return call.mean(SOFTMAX, images, columns, targets)
+
+
+class _Inputs(NamedTuple):
+    """The checked inputs of :func:`info_nce`."""
+
+    images: Tensor
+    texts: Tensor
+    negatives: Tensor | SharedNegatives | None
+    negative_ids: Tensor | None
 
 
 class DistributedInfoNCE(HeldOptions):

@@ -10,8 +10,8 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._validation import check_pair
+from contrastive_dist.losses._families import SOFTMAX
 from contrastive_dist.losses._frame import Call, Common, begin
-from contrastive_dist.losses._kernel import SOFTMAX
 from contrastive_dist.losses._module import HeldOptions
 from contrastive_dist.losses._options import Communication, Reduction, SameId
 from contrastive_dist.losses._precision import full_precision, half_products, upcast
@@ -94,22 +94,20 @@ def nt_xent(
     def own() -> tuple[Tensor, Tensor]:
         return check_pair("z1", z1, "z2", z2)
 
-    common = Common("nt_xent", logit_scale, temperature, chunk_size, group, sizes, weight, reduction, communication,
-                    ids, same_id)
-    call = begin(common, own, (z1, z2), options={})
-    first, second = call.own
-    with full_precision(first.device):
-        views, keys, anchor_weights = two_views(call, first, second, call.keys(call.ids))
-        columns = call.meet((views, keys), per_sample=2)
-        anchors = torch.arange(views.shape[0], device=views.device)
+    call = begin(own, Common(operation="nt_xent", logit_scale=logit_scale, temperature=temperature,
+                             chunk_size=chunk_size, group=group, sizes=sizes, weight=weight, reduction=reduction,
+                             communication=communication, ids=ids, same_id=same_id),
+                 inputs=(z1, z2), options={})  # fmt: skip
+    with full_precision(call.own[0].device):
+        views, keys, anchor_weights = two_views(call, *call.own, call.keys(call.ids))
+        columns = call.columns(views, keys=keys, per_sample=2)
+        anchors, every = (torch.arange(count, device=views.device) for count in (views.shape[0], sum(columns.counts)))
         targets = pair_targets(anchors ^ 1, excluded=anchors, keys=keys, same_id=same_id)  # the other view; not itself
-        every = torch.arange(sum(columns.rows), device=views.device)  # every row of the global matrix
-        column_keys = columns.tensors[1] if keys is not None else None
-        gram = pair_targets(every ^ 1, excluded=every, keys=column_keys, same_id=same_id)
-        pairs = call.pairs(SOFTMAX, targets, columns, keyed=keys is not None, gram=gram)
-        value, _ = call.pair_sum(views, columns.tensors[0], pairs, weights=anchor_weights)
-    # a sample's loss: the mean of its two anchors'
-    return value.view(-1, 2).mean(dim=1) if call.per_row else call.share(value * 0.5)
+        tiles = pair_targets(every ^ 1, excluded=every, keys=columns.keys, same_id=same_id)  # every row's, in order
+        if call.per_row:  # a sample's loss: the mean of its two anchors'
+            return call.rows(SOFTMAX, views, columns, targets, tiles=tiles)[0].view(-1, 2).mean(dim=1)
+        value, _ = call.weighted_sum(SOFTMAX, views, columns, targets, weights=anchor_weights, tiles=tiles)
+        return call.share(value * 0.5)
 
 
 def two_views(

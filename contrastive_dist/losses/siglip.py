@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._validation import check_pair
+from contrastive_dist.losses._families import SIGMOID
 from contrastive_dist.losses._frame import Common, begin
-from contrastive_dist.losses._kernel import SIGMOID
 from contrastive_dist.losses._module import HeldOptions
 from contrastive_dist.losses._options import Communication, Reduction, SameId, scalar_tensor
-from contrastive_dist.losses._precision import full_precision, operands
+from contrastive_dist.losses._precision import full_precision
 from contrastive_dist.losses._targets import pair_targets
 
 __all__ = ["SigLIPLoss", "siglip"]
@@ -89,21 +90,28 @@ def siglip(
 
     """
 
-    def own() -> tuple[Tensor, Tensor, Tensor]:
+    def own() -> _Inputs:
         images, texts = check_pair("image_features", image_features, "text_features", text_features)
-        return images, texts, scalar_tensor("logit_bias", logit_bias, images)
+        return _Inputs(images, texts, scalar_tensor("logit_bias", logit_bias, images))
 
-    common = Common("siglip", logit_scale, None, chunk_size, group, sizes, weight, reduction, communication, ids,
-                    same_id)
-    call = begin(common, own, (image_features, text_features), options={})
+    call = begin(own, Common(operation="siglip", logit_scale=logit_scale, temperature=None, chunk_size=chunk_size,
+                             group=group, sizes=sizes, weight=weight, reduction=reduction,
+                             communication=communication, ids=ids, same_id=same_id),
+                 inputs=(image_features, text_features), options={})  # fmt: skip
     images, texts, bias = call.own
     with full_precision(images.device):
         keys = call.keys(call.ids)
-        columns = call.meet((operands(texts), keys))
-        own_text = torch.arange(images.shape[0], device=images.device)
-        pairs = call.pairs(SIGMOID, pair_targets(own_text, keys=keys, same_id=same_id), columns, keyed=keys is not None)
-        value, _ = call.pair_sum(operands(images), columns.tensors[0], pairs, bias=bias)
-    return value if call.per_row else call.share(value)
+        columns = call.columns(texts, keys=keys)
+        own_text = torch.arange(images.shape[0], device=images.device)  # image i's positive: text i
+        return call.mean(SIGMOID, images, columns, pair_targets(own_text, keys=keys, same_id=same_id), bias=bias)
+
+
+class _Inputs(NamedTuple):
+    """The checked inputs of :func:`siglip`."""
+
+    images: Tensor
+    texts: Tensor
+    bias: Tensor
 
 
 class SigLIPLoss(HeldOptions):

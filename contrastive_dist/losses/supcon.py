@@ -11,12 +11,11 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._validation import check_features
+from contrastive_dist.losses._families import SOFTMAX
 from contrastive_dist.losses._frame import Common, begin
-from contrastive_dist.losses._kernel import SOFTMAX
 from contrastive_dist.losses._module import HeldOptions
 from contrastive_dist.losses._options import Communication, Reduction
 from contrastive_dist.losses._precision import full_precision, operands
-from contrastive_dist.losses._reduction import all_reduced
 from contrastive_dist.losses._targets import RowTargets
 
 __all__ = ["SupConLoss", "supcon"]
@@ -103,30 +102,27 @@ def supcon(
         _check_labels(labels, checked.shape[0])
         return (checked,)
 
-    common = Common("supcon", logit_scale, temperature, chunk_size, group, sizes, weight, reduction, communication)
-    call = begin(common, own, (features, labels), options={}, keyed=(labels,), total=False)
+    call = begin(own, Common(operation="supcon", logit_scale=logit_scale, temperature=temperature,
+                             chunk_size=chunk_size, group=group, sizes=sizes, weight=weight, reduction=reduction,
+                             communication=communication),
+                 inputs=(features, labels), options={}, keyed=(labels,), total=False)  # fmt: skip
     (checked,) = call.own
     views = 1 if checked.ndim == 2 else checked.shape[1]
     with full_precision(checked.device):
-        # One row per embedding, sample-major: the embedding (sample s, view v) is row s·V + v,
-        # of the rows and of its own block's columns; the labels travel with them (as floats when
-        # every rank's are small integers: gathered with the embeddings in one collective).
+        # One row per embedding, sample-major (sample s, view v: row s·V + v), its label beside it.
         embeddings = operands(rearrange(checked, "n ... d -> (n ...) d"))
-        embedding_labels = cast(Tensor, call.keys(labels)).repeat_interleave(views)
-        columns = call.meet((embeddings, embedding_labels), per_sample=views)
-        anchors = torch.arange(embeddings.shape[0], device=checked.device)
-        # positives: the other rows of its label
-        every = torch.arange(sum(columns.rows), device=checked.device)  # every row of the global matrix
-        gram = RowTargets(excluded=every, keys=columns.tensors[1])
-        pairs = call.pairs(SOFTMAX, RowTargets(excluded=anchors, keys=embedding_labels), columns, keyed=True, gram=gram)
+        keys = cast(Tensor, call.keys(labels)).repeat_interleave(views)
+        columns = call.columns(embeddings, keys=keys, per_sample=views)
+        anchors, every = (torch.arange(count, device=keys.device) for count in (keys.shape[0], sum(columns.counts)))
+        targets, tiles = RowTargets(excluded=anchors, keys=keys), RowTargets(excluded=every)  # positives: by label
+        if call.per_row:  # 0 for an anchor without positives
+            return call.rows(SOFTMAX, embeddings, columns, targets, tiles=tiles)[0].view(checked.shape[:-1])
         anchor_weights = None if call.weights is None else call.weights.repeat_interleave(views)
-        value, has_positives = call.pair_sum(embeddings, columns.tensors[0], pairs, weights=anchor_weights)
-    if call.per_row:
-        return value.view(checked.shape[:-1])  # 0 for an anchor without positives
+        value, has_positives = call.weighted_sum(SOFTMAX, embeddings, columns, targets, weights=anchor_weights,
+                                                 tiles=tiles)  # fmt: skip
     # The mean runs over the anchors with positives (weighted): a count only the blocks reveal.
     counted = has_positives.to(value.dtype)
-    denominator = all_reduced((counted if anchor_weights is None else counted * anchor_weights).sum(), call.layout)
-    return call.share(value, denominator)
+    return call.share(value, call.summed((counted if anchor_weights is None else counted * anchor_weights).sum()))
 
 
 def _check_labels(labels: object, batch_size: int) -> None:
