@@ -21,7 +21,7 @@ from gpu_check_report import Row
 from torch import Tensor
 
 from contrastive_dist import info_nce, nt_xent, siglip, supcon
-from contrastive_dist.losses._precision import product_route
+from contrastive_dist.losses import product_route
 
 LOSSES = ("info_nce", "siglip")
 PROFILED = (*LOSSES, "nt_xent", "supcon")

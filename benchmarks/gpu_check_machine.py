@@ -17,9 +17,9 @@ import subprocess
 import torch
 from gpu_check_report import Row
 
-from contrastive_dist.losses._precision import PRODUCTS_VARIABLE, product_route
+from contrastive_dist.losses import product_route
 
-VARIABLES = (PRODUCTS_VARIABLE, "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE")
+VARIABLES = ("CONTRASTIVE_DIST_PRODUCTS", "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE")
 COMPARED = {"open_clip": "open_clip", "siglip_kernel": "siglip-kernel"}  # import name → distribution name
 
 

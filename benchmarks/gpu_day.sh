@@ -85,7 +85,7 @@ for module in ("triton", "contrastive_dist", "open_clip", "open_clip.loss", "sig
         print(f"import {module}: FAILED ({where}) {type(error).__name__}: {str(error).splitlines()[0][:120]}")
 device = torch.device("cuda" if cuda else "cpu")
 try:
-    from contrastive_dist.losses._precision import product_route
+    from contrastive_dist.losses import product_route
     print(f"product route on {device.type}: bf16 {product_route(torch.bfloat16, device)}; "
           f"fp32 {product_route(torch.float32, device)}")
 except Exception as error:

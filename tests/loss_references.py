@@ -2,26 +2,25 @@
 
 Each reference gives the per-row losses ``ℓ_i`` of the whole global batch, written as loops over
 rows and columns straight from the definitions; the mean, the weighted mean ``Σ w_i ℓ_i / Σ w_i``
-and SupCon's mean over anchors with positives are derived from them in one place. Imported by the
-loss tests and, through pickled functions, by their gloo workers.
+and SupCon's mean over anchors with positives are derived from them in one place. :data:`REGISTRY`
+holds one entry per loss (its reference, its call, what it takes): a new loss is one entry there.
+Imported by the loss tests and, through pickled functions, by their gloo workers.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist import SharedNegatives, dcl, info_nce, nt_xent, siglip, supcon
+from contrastive_dist import SharedNegatives, dcl, hcl, info_nce, nt_xent, siglip, supcon
 
-KINDS = ("clip", "clip_one_way", "ntxent", "ntxent_scale", "siglip", "supcon", "supcon_views", "supcon_views_scale",
-         "dcl", "dclw")
 DCLW_SIGMA = 0.5
-"""``*_scale``: the loss gets the learnable ``logit_scale`` instead of its fixed temperature."""
 MODES = ("mean", "weighted", "none")
 """``weighted``: ``weight=``; ``none``: ``reduction="none"``, differentiated through ``Σ u_i ℓ_i`` (random ``u``)."""
 TEMPERATURE = {"ntxent": 0.5, "supcon": 0.3}
@@ -171,15 +170,140 @@ def own_negatives(params: dict[str, Tensor], x_negative: Tensor) -> Tensor:
     return F.normalize(x_negative @ params["w_text"], dim=-1)
 
 
-def _views(kind: str, images: Tensor, texts: Tensor) -> Tensor:
-    return images if kind == "supcon" else torch.stack([images, texts], dim=1)
+def hcl_rows(z1: Tensor, z2: Tensor, scale: Tensor | float, beta: float, tau_plus: float,
+             ids: Tensor | None = None) -> Tensor:
+    """Each sample's HCL loss, its two anchors' mean, as the paper's code forms it: ``neg``, ``imp``, ``Ng``, the clamp.
+
+    With ids, a sample's negatives leave out every view of the samples that share its id (their count is ``N``).
+    """
+    z = torch.cat([F.normalize(z1, dim=-1), F.normalize(z2, dim=-1)])
+    count = z1.shape[0]
+    anchors = []
+    for a in range(2 * count):
+        own = a % count
+        logits = [scale * z[a] @ z[j] for j in range(2 * count)
+                  if j % count != own and not _same(ids, own, ids, j % count)]
+        if not logits:  # no negative: no loss
+            anchors.append(z1.sum() * 0)
+            continue
+        pos = torch.exp(scale * z[a] @ z[(a + count) % (2 * count)])
+        neg = torch.exp(torch.stack(logits))
+        imp = (beta * neg.log()).exp()
+        reweight_neg = (imp * neg).sum() / imp.mean()
+        negatives = len(logits)
+        ng = (-tau_plus * negatives * pos + reweight_neg) / (1 - tau_plus)
+        ng = torch.clamp(ng, min=negatives * torch.exp(-torch.as_tensor(scale, dtype=torch.float64)))  # M e^{-1/t}
+        anchors.append(-torch.log(pos / (pos + ng)))
+    return torch.stack([(anchors[i] + anchors[i + count]) / 2 for i in range(count)]) if count else z1.sum(1) * 0
+
+
+class Loss(NamedTuple):
+    """One loss of the test matrix: its float64 loop reference, the package's call, and what the call takes.
+
+    Attributes:
+        reference: ``(scale, params, data, negatives, ids, negative_ids, same_id) -> ℓ`` per row of the global
+            batch (SupCon: per anchor), from the plain loops above.
+        call: ``(scale, params, data, options) -> value``: the package's loss on this rank's ``data``.
+        temperature: the fixed temperature the loss gets without a learnable scale, or ``None``: it gets
+            ``params["log_scale"].exp()``.
+        same_id: the loss takes ``same_id=`` (ids as positives or masks); else ids only mask (DCL, HCL) or
+            none are taken (SupCon: its labels).
+        negatives: the loss takes extra negatives (InfoNCE).
+        gram: its rows are its own columns (NT-Xent, SupCon, DCL, HCL: pairs of tiles).
+        ids: the loss takes ``ids=``.
+    """
+
+    reference: Callable[..., Tensor]
+    call: Callable[..., Tensor]
+    temperature: float | None = None
+    same_id: bool = False
+    negatives: bool = False
+    gram: bool = False
+    ids: bool = True
+
+
+def _two_views(params: dict[str, Tensor], data: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """The raw (not normalised) views of NT-Xent, DCL and HCL: each loss normalises them itself."""
+    return data["x_image"] @ params["w_image"], data["x_text"] @ params["w_text"]
+
+
+def _supcon(views: int) -> Loss:
+    def features(params: dict[str, Tensor], data: dict[str, Tensor]) -> Tensor:
+        images, texts = encode(params, data)
+        return images if views == 1 else torch.stack([images, texts], dim=1)
+
+    return Loss(
+        reference=lambda scale, params, data, *_: supcon_rows(features(params, data), data["labels"], scale)[0],
+        call=lambda scale, params, data, options: supcon(features(params, data), data["labels"], scale,
+                                                         temperature=TEMPERATURE["supcon"], **options),
+        temperature=TEMPERATURE["supcon"], gram=True, ids=False,
+    )
+
+
+def _clip(symmetric: bool) -> Loss:
+    def reference(scale: Tensor, params: dict, data: dict, negatives: Tensor | None, ids: Tensor | None,
+                  negative_ids: Tensor | None, same_id: str) -> Tensor:
+        return clip_rows(*encode(params, data), scale, negatives, symmetric, ids, negative_ids, same_id)
+
+    def call(scale: Tensor, params: dict, data: dict, options: dict[str, Any]) -> Tensor:
+        return info_nce(*encode(params, data), scale, symmetric=symmetric, **options)
+
+    return Loss(reference, call, same_id=True, negatives=True)
+
+
+def _decoupled(sigma: float | None) -> Loss:
+    return Loss(
+        reference=lambda scale, params, data, _, ids, *__: dcl_rows(*_two_views(params, data), scale, sigma, ids),
+        call=lambda scale, params, data, options: dcl(*_two_views(params, data), scale, sigma=sigma, **options),
+        gram=True,
+    )
+
+
+def _ntxent(temperature: float | None) -> Loss:
+    return Loss(
+        reference=lambda scale, params, data, _, ids, __, same_id: ntxent_rows(*_two_views(params, data), scale, ids,
+                                                                               same_id),
+        call=lambda scale, params, data, options: nt_xent(*_two_views(params, data), scale,
+                                                          temperature=TEMPERATURE["ntxent"], **options),
+        temperature=temperature, same_id=True, gram=True,
+    )
+
+
+HCL_OPTIONS = {"beta": 0.7, "tau_plus": 0.2}
+"""A hardness and a prior whose terms all count: ``Ng`` stays above its floor in the tests' problems."""
+
+REGISTRY: dict[str, Loss] = {
+    "clip": _clip(symmetric=True),
+    "clip_one_way": _clip(symmetric=False),
+    "ntxent": _ntxent(TEMPERATURE["ntxent"]),
+    "ntxent_scale": _ntxent(None),
+    "siglip": Loss(
+        reference=lambda scale, params, data, _, ids, __, same_id: siglip_rows(*encode(params, data), scale,
+                                                                               params["bias"], ids, same_id),
+        call=lambda scale, params, data, options: siglip(*encode(params, data), scale, params["bias"], **options),
+        same_id=True,
+    ),
+    "supcon": _supcon(views=1),
+    "supcon_views": _supcon(views=2),
+    "supcon_views_scale": _supcon(views=2)._replace(temperature=None),
+    "dcl": _decoupled(sigma=None),
+    "dclw": _decoupled(sigma=DCLW_SIGMA),
+    "hcl": Loss(
+        reference=lambda scale, params, data, _, ids, *__: hcl_rows(*_two_views(params, data), scale, ids=ids,
+                                                                    **HCL_OPTIONS),
+        call=lambda scale, params, data, options: hcl(*_two_views(params, data), scale, **HCL_OPTIONS, **options),
+        temperature=TEMPERATURE["ntxent"], gram=True,
+    ),
+}
+"""Every loss of the matrix, by name; ``*_scale``: a learnable ``logit_scale`` instead of the fixed temperature."""
+KINDS = tuple(REGISTRY)
+ID_KINDS = tuple(kind for kind, loss in REGISTRY.items() if loss.same_id)
+GRAM_KINDS = tuple(kind for kind, loss in REGISTRY.items() if loss.gram)
 
 
 def _scale(kind: str, params: dict[str, Tensor]) -> Tensor | None:
-    """The loss's ``logit_scale`` argument: the learnable one, or ``None`` for NT-Xent/SupCon's fixed temperature."""
-    if kind.startswith(("ntxent", "supcon")) and not kind.endswith("_scale"):
-        return None
-    return params["log_scale"].exp()
+    """The loss's ``logit_scale`` argument: the learnable one, or ``None`` for a fixed temperature."""
+    return None if REGISTRY[kind].temperature is not None else params["log_scale"].exp()
 
 
 def reference_rows(kind: str, params: dict[str, Tensor], data: dict[str, Tensor], negatives: Tensor | None,
@@ -188,21 +312,10 @@ def reference_rows(kind: str, params: dict[str, Tensor], data: dict[str, Tensor]
 
     ``same_id``: ``""`` (no ids), ``"mask"`` or ``"positive"``, with ``data["ids"]`` and ``negative_ids``.
     """
+    loss, scale = REGISTRY[kind], _scale(kind, params)
+    fixed = 1 / loss.temperature if scale is None and loss.temperature is not None else scale
     ids = data["ids"] if same_id else None
-    images, texts = encode(params, data)
-    scale = _scale(kind, params)
-    family = kind.split("_")[0]
-    fixed = 1 / TEMPERATURE.get(family, 1.0) if scale is None else scale
-    if family == "clip":
-        return clip_rows(images, texts, fixed, negatives, kind == "clip", ids, negative_ids, same_id)
-    if family == "ntxent":
-        return ntxent_rows(data["x_image"] @ params["w_image"], data["x_text"] @ params["w_text"], fixed, ids, same_id)
-    if family == "siglip":
-        return siglip_rows(images, texts, fixed, params["bias"], ids, same_id)
-    if family in ("dcl", "dclw"):  # ids: not negatives, whatever same_id says (DCL has one meaning)
-        sigma = DCLW_SIGMA if family == "dclw" else None
-        return dcl_rows(data["x_image"] @ params["w_image"], data["x_text"] @ params["w_text"], fixed, sigma, ids)
-    return supcon_rows(_views(kind, images, texts), data["labels"], fixed)[0]
+    return loss.reference(fixed, params, data, negatives, ids, negative_ids, same_id)
 
 
 def reference_value(kind: str, mode: str, params: dict[str, Tensor], data: dict[str, Tensor],
@@ -215,8 +328,8 @@ def reference_value(kind: str, mode: str, params: dict[str, Tensor], data: dict[
     weights = weights.to(rows.dtype)
     if kind.startswith("supcon"):
         # One weight per sample, shared by its views; anchors without positives do not count.
-        images, texts = encode(params, data)
-        _, counted = supcon_rows(_views(kind, images, texts), data["labels"], 1.0)
+        features = torch.stack(encode(params, data), dim=1) if rows.ndim == 2 else encode(params, data)[0]
+        _, counted = supcon_rows(features, data["labels"], 1.0)
         weights = (weights[:, None].expand_as(rows) if rows.ndim == 2 else weights) * counted
     total = weights.sum()
     return (rows * weights).sum() / total if total > 0 else rows.sum() * 0
@@ -240,28 +353,17 @@ def package_value(
 
     ``same_id``: ``""`` (no ids), or the ``same_id=`` with ``data["ids"]`` (and ``negative_ids``).
     """
-    images, texts = encode(params, data)
-    scale = _scale(kind, params)
+    loss = REGISTRY[kind]
     options: dict[str, Any] = {"chunk_size": chunk_size, "sizes": sizes, "communication": communication, "group": group}
     options["reduction"] = "none" if mode == "none" else "mean"
     if mode == "weighted":
         options["weight"] = data["weight"]
     if same_id:
-        options.update(ids=data["ids"], same_id=same_id)
-    family = kind.split("_")[0]
-    if family == "clip":
-        return info_nce(images, texts, scale, symmetric=kind == "clip", negatives=negatives,
-                        negative_ids=negative_ids, **options)
-    if family == "ntxent":
-        raw_1, raw_2 = data["x_image"] @ params["w_image"], data["x_text"] @ params["w_text"]
-        return nt_xent(raw_1, raw_2, scale, temperature=TEMPERATURE["ntxent"], **options)
-    if family == "siglip":
-        return siglip(images, texts, scale, params["bias"], **options)
-    if family in ("dcl", "dclw"):
-        options.pop("same_id", None)
-        raw_1, raw_2 = data["x_image"] @ params["w_image"], data["x_text"] @ params["w_text"]
-        return dcl(raw_1, raw_2, scale, sigma=DCLW_SIGMA if family == "dclw" else None, **options)
-    return supcon(_views(kind, images, texts), data["labels"], scale, temperature=TEMPERATURE["supcon"], **options)
+        options["ids"] = data["ids"]
+        options.update({"same_id": same_id} if loss.same_id else {})
+    if loss.negatives:
+        options.update(negatives=negatives, negative_ids=negative_ids)
+    return loss.call(_scale(kind, params), params, data, options)
 
 
 def objective(value: Tensor, mode: str, upstream: Tensor) -> Tensor:

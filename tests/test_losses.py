@@ -10,7 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from loss_references import (
+    GRAM_KINDS,
+    ID_KINDS,
     KINDS,
+    REGISTRY,
     assert_close,
     clip_rows,
     encode,
@@ -38,7 +41,7 @@ from contrastive_dist import (
     supcon,
 )
 from contrastive_dist.losses import _same_key, _tiles, _visit
-from contrastive_dist.losses._precision import PRODUCTS_VARIABLE, half_products
+from contrastive_dist.losses._options import PRODUCTS_VARIABLE, half_products
 from contrastive_dist.losses._unit import unit_rows
 
 COMMUNICATIONS = ("gather", "ring")
@@ -468,7 +471,7 @@ def test_distinct_ids_give_the_loss_without_ids(communication: str) -> None:
     # positive is its own pair (the same loss to rounding: another arrangement of the same sums).
     params, data = make_problem(2, 7, torch.float64)
     data["ids"] = torch.randperm(7, generator=torch.Generator().manual_seed(0)) * 1000
-    for kind in ("clip", "clip_one_way", "ntxent", "siglip"):
+    for kind in ID_KINDS:
         for mode in ("weighted", "none"):
             options = {"chunk_size": 3, "communication": communication}
             plain = package_value(kind, mode, params, data, **options)  # type: ignore[arg-type]
@@ -489,8 +492,8 @@ def test_keys_as_pairs_or_as_a_mask_match_the_loop_reference(
     # Pairs that share a key (labels, ids) are kept as indices on the CPU when few, as a mask when many:
     # each form alone, for every loss with keys, against the float64 loops.
     monkeypatch.setattr(_same_key, "SPARSE_AT_MOST", 1.0 if form == "sparse" else -1.0)
-    cases = [(kind, rule) for kind in ("clip", "clip_one_way", "ntxent", "siglip") for rule in ("mask", "positive")]
-    cases += [(kind, "") for kind in KINDS if kind.startswith(("supcon", "dcl"))]
+    cases = [(kind, rule) for kind in ID_KINDS for rule in ("mask", "positive")]
+    cases += [(kind, "") for kind in GRAM_KINDS if not REGISTRY[kind].same_id]  # their keys: labels, sample indices
     for kind, same_id in cases:
         params, data = make_problem(seed=5, total=11, dtype=torch.float64)
         for mode in ("weighted", "none"):
@@ -518,13 +521,13 @@ def test_gram_losses_take_their_tiles_and_equal_the_rows_against_columns_kernel(
     calls: list[int] = []
     tiled, taken = _tiles.states, _tiles.taken
     monkeypatch.setattr(_tiles, "states", lambda *args: (calls.append(1), tiled(*args))[1])
-    cases = [(kind, "") for kind in KINDS if kind.startswith(("ntxent", "supcon", "dcl"))]
+    cases = [(kind, "") for kind in GRAM_KINDS]
     cases += [("ntxent", "mask"), ("ntxent", "positive")]
     for kind, same_id in cases:
         params, data = make_problem(seed=6, total=9, dtype=torch.float64)
         results = []
         for gram in (True, False):
-            monkeypatch.setattr(_tiles, "taken", taken if gram else lambda problem, *_, **__: problem._replace(tiles=None))
+            monkeypatch.setattr(_tiles, "taken", taken if gram else lambda problem, *_: problem._replace(tiles=None))
             before = len(calls)
             loss = package_value(kind, "weighted", params, data, chunk_size=chunk_size, same_id=same_id)
             results.append(value_and_grads(loss, params))

@@ -33,7 +33,7 @@ from loss_references import make_problem, objective, package_value, reference_va
 
 from contrastive_dist import SharedNegatives  # noqa: E402
 from contrastive_dist.losses import _triton  # noqa: E402
-from contrastive_dist.losses._precision import PRODUCTS_VARIABLE  # noqa: E402
+from contrastive_dist.losses._options import PRODUCTS_VARIABLE  # noqa: E402
 from contrastive_dist.testing import WorkerPool  # noqa: E402
 
 _CHILD = "CONTRASTIVE_DIST_FUSED_LOSS_CHECKS"

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from contrastive_dist.losses import _precision
-from contrastive_dist.losses._precision import PRODUCTS_VARIABLE, product, product_route
+from contrastive_dist.losses import _options
+from contrastive_dist.losses._options import PRODUCTS_VARIABLE, product_route
+from contrastive_dist.losses._visit import product
 
 CUDA, META = torch.device("cuda"), torch.device("meta")
 
@@ -46,7 +47,7 @@ def test_the_route_names_the_tensor_core_products_where_the_overload_exists(monk
 def test_without_the_overload_the_route_and_the_product_fall_back_to_upcasting(
         monkeypatch: pytest.MonkeyPatch, torch_2_7: None) -> None:
     monkeypatch.delenv(PRODUCTS_VARIABLE, raising=False)
-    assert not _precision._out_dtype_products(CUDA)
+    assert not _options.out_dtype_products(CUDA)
     assert product_route(torch.bfloat16, CUDA) == (
         "bfloat16 operands, each product upcasts them (no mm out_dtype on this device or torch)")
     # Half operands are kept (CONTRASTIVE_DIST_PRODUCTS=half); the meta device has the overload's

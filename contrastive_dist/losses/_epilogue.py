@@ -20,9 +20,8 @@ import torch
 from torch import Tensor
 
 from contrastive_dist.losses._families import SIGMOID, SOFTMAX, Family
-from contrastive_dist.losses._precision import product
 from contrastive_dist.losses._targets import Indices
-from contrastive_dist.losses._visit import Epilogue
+from contrastive_dist.losses._visit import Epilogue, product
 
 __all__ = ["Fused", "fused"]
 

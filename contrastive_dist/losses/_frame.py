@@ -36,10 +36,21 @@ from contrastive_dist.engine._wire import all_reduce
 from contrastive_dist.losses import _driver
 from contrastive_dist.losses._families import Family
 from contrastive_dist.losses._options import (
-    Communication, Reduction, SameId, agreed_options, check_chunk_size, check_communication, check_ids,
-    check_reduction, check_same_id, check_temperature, check_weight, positive_scalar, resolve_scale,
+    Communication,
+    Reduction,
+    SameId,
+    check_chunk_size,
+    check_communication,
+    check_ids,
+    check_reduction,
+    check_same_id,
+    check_temperature,
+    check_weight,
+    compute_dtype,
+    operands,
+    positive_scalar,
+    resolve_scale,
 )  # fmt: skip
-from contrastive_dist.losses._precision import compute_dtype, operands
 from contrastive_dist.losses._targets import SMALL_KEYS, RowTargets, comparable_keys, small_keys_flag
 from contrastive_dist.losses._transports import Columns, meet, transport_of
 
@@ -181,6 +192,10 @@ class Call(Generic[Own]):
         positive = denominator > 0
         return value * torch.where(positive, world_size / torch.where(positive, denominator, 1.0), 0.0)
 
+    def gathered(self, rows: Tensor) -> Tensor:
+        """Every rank's ``rows`` (one per local sample), in rank order; differentiable. Shape: ``(n_r, ...)`` → ``(N, ...)``."""
+        return meet("gather", self.layout, [rows])[0]
+
     def summed(self, value: Tensor) -> Tensor:
         """``value`` summed over the ranks (one scalar all-reduce; traceable under ``torch.compile``)."""
         if self.layout.world_size == 1:
@@ -229,22 +244,18 @@ def begin(check: Callable[[], Own], common: Common, *, inputs: Sequence[object],
         dtype, exchanged, flags = compute_dtype(result[0][0].dtype), is_distributed(common.group), SMALL_KEYS
         for keys in (result[4], *keyed):  # every rank's keys small, or compared as integers everywhere
             flags = small_keys_flag(keys if isinstance(keys, Tensor) else None, dtype, exchanged=exchanged) & flags
-    # Whether ids are given is agreed for every loss; what equal ids mean, for the losses that say.
     same_id = {} if common.same_id is None else {"same_id": common.same_id}
     weight_total = None if result is None or not total or result[3] is None else result[3].sum(dtype=torch.float64)
-    layout = agree(
-        [tensor for tensor in (*inputs, common.ids) if tensor is not None],
-        problem=problem,
-        group=common.group,
-        operation=common.operation,
-        options=agreed_options(chunk_size=common.chunk_size, communication=common.communication,
-                               reduction=common.reduction, weight=common.weight, temperature=common.temperature,
-                               logit_scale=common.logit_scale, ids=common.ids is not None, **same_id, **options),
-        sizes=common.sizes,
-        extra=extra,
-        total=weight_total,
-        flags=flags,
-    )
+    # Every rank must share these: the temperature where no logit_scale replaces it, whether weights come
+    # (their values are per row, like the features'), whether ids do, and what equal ids mean.
+    agreed = {"chunk_size": common.chunk_size, "communication": common.communication,
+              "reduction": common.reduction, "weight": common.weight is not None}  # fmt: skip
+    if common.temperature is not None:
+        agreed["temperature"] = common.temperature if common.logit_scale is None else "logit_scale"
+    agreed |= {"ids": common.ids is not None, **same_id, **options}
+    layout = agree([tensor for tensor in (*inputs, common.ids) if tensor is not None], problem=problem,
+                   group=common.group, operation=common.operation, options=agreed, sizes=common.sizes, extra=extra,
+                   total=weight_total, flags=flags)  # fmt: skip
     assert result is not None  # the agreement raised otherwise
     own, scale, chunk, weights, ids = result
     return Call(own, scale, chunk, weights, ids, layout, common)

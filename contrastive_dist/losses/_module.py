@@ -13,7 +13,6 @@ from contrastive_dist.losses._options import (
     check_communication,
     check_reduction,
     check_same_id,
-    check_sigma,
     check_temperature,
 )
 
@@ -26,7 +25,6 @@ _CHECKS: dict[str, Callable[[Any], object]] = {
     "communication": check_communication,
     "same_id": check_same_id,
     "symmetric": lambda symmetric: check_bool("symmetric", symmetric),
-    "sigma": check_sigma,
 }
 
 

@@ -20,7 +20,7 @@ from contrastive_dist._validation import check_features
 from contrastive_dist.engine._agreement import Layout
 from contrastive_dist.engine._ring import Ring
 from contrastive_dist.engine.gather import gather_agreed
-from contrastive_dist.losses._precision import operands
+from contrastive_dist.losses._options import operands
 from contrastive_dist.losses._transports import Columns, OneBlock, RingBlocks
 
 __all__ = [

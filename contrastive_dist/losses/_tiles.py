@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
-from contrastive_dist.losses._precision import upcast
+from contrastive_dist.losses._options import upcast
 from contrastive_dist.losses._targets import Indices, RowTargets
-from contrastive_dist.losses._transports import OneBlock
-from contrastive_dist.losses._visit import CUDA_BLOCK_LOGITS, Grads, Side, Visit
+from contrastive_dist.losses._transports import CUDA_BLOCK_LOGITS, OneBlock
+from contrastive_dist.losses._visit import Grads, Side, Visit, gradients_of, states_of
 
 if TYPE_CHECKING:
     from contrastive_dist.losses._driver import Problem, _Run
@@ -80,14 +80,12 @@ def worth_it(queries: Tensor, keys: Tensor, ranks: int, *, ring: bool = False) -
     return keys.shape[1] >= (RING_MIN_DIM if ring else MIN_DIM)
 
 
-def taken(problem: Problem, queries: Tensor, keys: Tensor, bias: Tensor | None, *, per_row: bool) -> Problem:
+def taken(problem: Problem, queries: Tensor, keys: Tensor, bias: Tensor | None) -> Problem:
     """``problem`` with its tiles where they pay, else without: measured faster (:func:`worth_it`), not under
-    ``torch.compile``, no columns held here, no bias; gather mode's for a weighted sum, ring mode's with the
-    rows their own block of the columns."""
-    if problem.tiles is None:
-        return problem
+    ``torch.compile``, no columns held here, no bias; in ring mode the rows must be their own block of the
+    columns (the same tensor)."""
     ring = not isinstance(problem.columns.transport, OneBlock)
-    fits = problem.columns.local is None and bias is None and (queries is keys if ring else not per_row)
+    fits = problem.columns.local is None and bias is None and (queries is keys or not ring)
     if fits and worth_it(queries, keys, len(problem.columns.counts), ring=ring) and not torch.compiler.is_compiling():
         return problem
     return problem._replace(tiles=None)
@@ -170,7 +168,8 @@ def area(run: _Run) -> int:
 def _visits(run: _Run, plan: _Plan, owner: int, block: tuple[Tensor, ...], states: tuple[Tensor, Tensor],
             weights: tuple[Tensor | float, Tensor | float], grads: tuple[Tensor | None, Tensor | None]) -> list[Visit]:  # fmt: skip
     """The pairs of ``owner``'s block (gather: of the whole matrix), with where their rows' states, weights and
-    gradients are: ``(this rank's rows', the block's rows')`` each (gather: the whole matrix's, twice)."""
+    gradients are: ``(this rank's rows', the block's rows')`` each (gather: the whole matrix's, twice).
+    """
     every, rank = plan.every, (run.transport.ring.rank if run.ring else 0)
     here, there = (plan.starts[rank], plan.starts[owner]) if run.ring else (0, 0)
     keys = (run.columns.keys, block[1] if len(block) > 1 and run.columns.keys is not None else None)
@@ -199,8 +198,6 @@ def _visits(run: _Run, plan: _Plan, owner: int, block: tuple[Tensor, ...], state
 
 def states(run: _Run, keep: bool) -> Tensor:
     """Pass 1: this rank's rows' final states (gather mode: every row's, kept for pass 2)."""
-    from contrastive_dist.losses._driver import _states_of
-
     family, plan, scale = run.family, _plan(run), run.scale
     run.kept = [] if keep else None
     counts = run.columns.counts
@@ -209,7 +206,7 @@ def states(run: _Run, keep: bool) -> Tensor:
     def visit(owner: int, block: tuple[Tensor, ...], travelling: Tensor | None) -> None:
         others = own if travelling is None else travelling
         for one in _visits(run, plan, owner, block, (own, others), (1.0, 1.0), (None, None)):
-            rows, columns = _states_of(run.epilogue, one, None, run.kept)
+            rows, columns = states_of(run.epilogue, one, None, run.kept)
             family.merge_(one.rows.state, rows)
             if one.columns is not None and columns is not None:
                 family.merge_(one.columns.state, columns)
@@ -232,8 +229,6 @@ def gradients(run: _Run, grads: Grads, row_weights: Tensor | float) -> Tensor:
 
     Sets ``run.tile_scale``, the scale's gradient (:func:`scale_gradient`).
     """
-    from contrastive_dist.losses._driver import _gradients_of
-
     plan, counts, kept = _plan(run), run.columns.counts, iter(run.kept or ())
     key_grad = torch.zeros_like(run.keys, dtype=run.scale.dtype)  # Σ S Z (ring: this rank's rows', its own part)
     if not run.ring:
@@ -243,7 +238,7 @@ def gradients(run: _Run, grads: Grads, row_weights: Tensor | float) -> Tensor:
         block = (run.keys,) + ((run.columns.keys,) if run.columns.keys is not None else ())
         for one in _visits(run, plan, -1, block, (run.tile_state, run.tile_state), (every_weight, every_weight),
                            (key_grad, key_grad)):  # fmt: skip
-            _gradients_of(run.epilogue, one, grads, next(kept, None))
+            gradients_of(run.epilogue, one, grads, next(kept, None))
         # ⟨Z, Σ S Z⟩ over this rank's pairs holds each of their logits' terms twice: the rows' side and the columns'.
         run.tile_scale = 0.5 * (upcast(run.keys) * key_grad).sum()
         return key_grad
@@ -257,7 +252,7 @@ def gradients(run: _Run, grads: Grads, row_weights: Tensor | float) -> Tensor:
         states = (run.row_state, block[width])
         weights = (1.0 if own_weights is None else own_weights, block_weights)
         for one in _visits(run, plan, owner, block[:width], states, weights, (key_grad, travelling)):
-            _gradients_of(run.epilogue, one, grads, None)
+            gradients_of(run.epilogue, one, grads, None)
 
     rows = [counts] * (len(base) + len(extra))
     new_grad = lambda owner: run.scale.new_zeros((counts[owner], run.keys.shape[1]))  # noqa: E731

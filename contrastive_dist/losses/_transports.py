@@ -12,7 +12,8 @@ and adds into ``accumulator`` (a gradient or a state that belongs to the block's
   comes past once, one per hop (:mod:`contrastive_dist.engine._ring`), and each accumulator
   follows its block round and comes home to its owner.
 
-:func:`meet` sets up a call's :class:`Columns` for either.
+:func:`meet` and :func:`transport_of` set up a call's :class:`Columns` for either; :func:`chunks` says
+how many rows meet a block at once.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from contrastive_dist.engine._ring import Block, Ring, circulate
 from contrastive_dist.engine._wire import gather_rows
 from contrastive_dist.engine.gather import gather_agreed
 
-__all__ = ["EVERY_RANK", "LOCAL", "Columns", "OneBlock", "RingBlocks", "Transport", "Visit", "meet"]
+__all__ = [
+    "BLOCK_LOGITS", "CUDA_BLOCK_LOGITS", "EVERY_RANK", "LOCAL", "Columns", "OneBlock", "RingBlocks", "Transport",
+    "chunks", "meet", "transport_of",
+]  # fmt: skip
 
 EVERY_RANK = -1
 """The ``owner`` of gather mode's one block: it holds every rank's columns."""
@@ -204,3 +208,62 @@ def transport_of(communication: str, layout: Layout, counts: tuple[int, ...], pe
     if communication == "gather":
         return OneBlock(layout.offset * per_sample, layout.rank, layout.group)
     return RingBlocks(Ring(layout.rank, layout.world_size, counts, layout.group))
+
+
+BLOCK_LOGITS = 2**24
+"""The default chunk's budget for a block serving both directions of a symmetric loss in one pass off CUDA,
+and what a call may keep between the driver's passes: at most this many logits (64 MiB in float32)."""
+CUDA_BLOCK_LOGITS = 2**28
+"""The default chunk's budget on CUDA: at most this many logits (1 GiB in float32) are formed at once.
+
+Each chunk costs the host about half a millisecond to issue (a dozen launches and their Python), so a
+chunk must hold enough work for the GPU to stay ahead of it; measured on an H200 (bfloat16, D = 768,
+B = 65,536, ``benchmarks/gpu_check.py``): SigLIP took 137 ms a step in chunks of 256 rows (2²⁴ logits,
+host-bound), 55 ms in 1024, 45 ms in 4096 (this budget) and 45 ms in 8192; InfoNCE 300, 88, 82 and 80 ms.
+"""
+CPU_BLOCK_LOGITS = 2**20
+"""The default chunk's budget elsewhere on the CPU (4 MiB of float32 logits), with chunks of at least
+:data:`CPU_CHUNK_ROWS` rows: blocks that stay in its caches, rows enough for its matrix products
+(measured: ``benchmarks/floor.py``, where 256 rows beat both the whole block and 128 rows)."""
+CPU_CHUNK_ROWS = 256
+
+
+def default_chunk(rows: int, columns: int, budget: int = BLOCK_LOGITS, least: int = 64) -> int:
+    """Rows a chunk when ``chunk_size=None``: every row if the block holds at most ``budget`` logits, else the
+    most rows under that, in multiples of 64, and at least ``least``.
+
+    Example:
+        >>> default_chunk(4096, 4096), default_chunk(8192, 65536), default_chunk(10, 0)
+        (4096, 256, 10)
+        >>> default_chunk(4096, 8192, CPU_BLOCK_LOGITS, CPU_CHUNK_ROWS)
+        256
+        >>> default_chunk(8192, 65536, CUDA_BLOCK_LOGITS), default_chunk(65536, 131072, CUDA_BLOCK_LOGITS)
+        (4096, 2048)
+    """
+    if rows * columns <= budget:
+        return max(rows, 1)
+    return max(least, budget // columns // 64 * 64)
+
+
+def chunks(rows: int, chunk: int | None, columns: int, queries: Tensor, one_pass_symmetric: bool = False
+           ) -> list[tuple[int, int]]:  # fmt: skip
+    """``(start, stop)`` of each chunk of ``rows`` rows of ``queries`` meeting ``columns`` columns.
+
+    ``chunk``: the caller's ``chunk_size``; ``None``: :func:`default_chunk` with the budget of
+    :data:`CUDA_BLOCK_LOGITS` on CUDA; elsewhere :data:`BLOCK_LOGITS` for a symmetric block whose every
+    visit serves both directions in one pass (in chunks it would cost a fourth product), else
+    :data:`CPU_BLOCK_LOGITS` with at least :data:`CPU_CHUNK_ROWS` rows.
+
+    Example:
+        >>> import torch
+        >>> chunks(5, 2, 8, torch.zeros(0)), chunks(3, None, 8, torch.zeros(0))
+        ([(0, 2), (2, 4), (4, 5)], [(0, 3)])
+    """
+    if chunk is None:
+        if queries.is_cuda:
+            chunk = default_chunk(rows, columns, CUDA_BLOCK_LOGITS)
+        elif one_pass_symmetric:
+            chunk = default_chunk(rows, columns, BLOCK_LOGITS)
+        else:
+            chunk = default_chunk(rows, columns, CPU_BLOCK_LOGITS, CPU_CHUNK_ROWS)
+    return [(start, min(start + chunk, rows)) for start in range(0, rows, chunk)]

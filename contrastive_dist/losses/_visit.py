@@ -1,30 +1,33 @@
 """One visit of the driver: a chunk of rows against a block of columns — its product, epilogue and gradient.
 
-A visit forms its product once; its *epilogue* turns the product into the rows' state and, from the final
-states, the logit gradient ``G``; :func:`accumulate` then adds every input's gradient from ``G``: the
-queries' ``G K``, the keys' ``Gᵀ Q``, the bias's ``Σ G`` (the scale's comes once, at the end:
-:func:`scaled`). :class:`Eager` is the reference epilogue, the family's functions on the logits; the
-fused Triton ops (:mod:`._epilogue`, CUDA) compute the same numbers from the raw product.
-:func:`epilogue_for` chooses between them, once per call.
+A visit forms its product once. Its *epilogue* turns the product into the rows' partial state
+(:func:`states_of`, the driver's first pass) and, from the final states, into the logit gradient ``G``
+(:func:`gradients_of`, the second); :func:`accumulate` then adds every input's gradient from ``G``: the
+queries' ``G K``, the keys' ``Gᵀ Q``, the bias's ``Σ G`` (the scale's once, at the end).
+:class:`Eager` is the reference epilogue, the family's functions on the logits; the fused Triton ops
+(:class:`._epilogue.Fused`, CUDA) compute the same numbers from the raw product. :func:`epilogue_for`
+chooses, once per call. Every matrix product of the losses is issued here (:func:`product`,
+:func:`add_product_`), in the dtypes :mod:`._options` sets.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Any, NamedTuple
+import os
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
 
-from contrastive_dist.losses._families import Family
-from contrastive_dist.losses._precision import add_product_, full_precision, product, upcast
+from contrastive_dist.losses._options import out_dtype_products, upcast
 from contrastive_dist.losses._targets import Indices
 
-__all__ = [
-    "BLOCK_LOGITS", "Eager", "Epilogue", "Grads", "Side", "Visit", "accumulate", "as_input", "chunks",
-    "epilogue_for", "first_order_only", "formed_in_forward", "gradients_wanted", "grads_for", "scaled",
-]  # fmt: skip
+if TYPE_CHECKING:
+    from contrastive_dist.losses._families import Family
+
+__all__ = ["Eager", "Epilogue", "Grads", "Kept", "Side", "Visit", "accumulate", "add_product_", "epilogue_for",
+           "gradients_of", "product", "states_of"]  # fmt: skip
+
+_HALF = (torch.bfloat16, torch.float16)
 
 
 class Side(NamedTuple):
@@ -32,7 +35,7 @@ class Side(NamedTuple):
 
     Attributes:
         indices: the rows' targets against the visit's columns (a column side: the columns seen as rows).
-        state: ``(c, width)`` the rows' final state (the gradients pass), or their running state.
+        state: ``(c, width)`` the rows' running state (pass 1: its shape alone is read) or their final state.
         weights: ``(c,)`` each row's weight (an upstream gradient in backward), or one number for all.
     """
 
@@ -42,13 +45,11 @@ class Side(NamedTuple):
 
 
 class Visit(NamedTuple):
-    """A chunk of ``c`` rows against a block of ``m`` columns.
+    """A chunk of ``c`` rows, ``queries`` ``(c, D)``, against a block of ``m`` columns, ``keys`` ``(m, D)``.
 
-    Attributes:
-        queries: ``(c, D)`` the rows' features; keys: ``(m, D)`` the columns'.
-        rows: the rows' side; columns: the side of the block's first ``len(columns.state)`` columns seen
-            as rows (a symmetric loss's columns with losses of their own, a pair of tiles), or ``None``.
-        query_grad: ``(c, D)`` where ``G K`` is added (unscaled), or ``None``; key_grad: ``(m, D)`` ``Gᵀ Q``.
+    ``columns``: the side of the block's first ``len(columns.state)`` columns seen as rows (a symmetric
+    loss's columns with losses of their own, a pair of tiles), or ``None``. ``query_grad`` ``(c, D)`` and
+    ``key_grad`` ``(m, D)``: where ``G K`` and ``Gᵀ Q`` are added, unscaled, or ``None``.
     """
 
     queries: Tensor
@@ -60,18 +61,18 @@ class Visit(NamedTuple):
 
 
 class Epilogue:
-    """What a visit's product goes through: the interface of :class:`Eager` and the fused epilogue."""
+    """What a visit's product goes through: :class:`Eager`'s interface, and the fused epilogue's."""
 
     def product(self, queries: Tensor, keys: Tensor) -> Tensor:
-        """The visit's one product: ``(c, m)``."""
+        """The visit's one product ``(c, m)``."""
         raise NotImplementedError
 
     def transposed(self, product: Tensor, width: int) -> Tensor:
-        """The first ``width`` columns of ``product`` seen as rows ``(width, c)``, for a column side."""
+        """The first ``width`` columns of ``product`` seen as rows ``(width, c)``: a column side's values."""
         raise NotImplementedError
 
     def state(self, values: Tensor, indices: Indices) -> Tensor:
-        """The rows' state over this visit alone ``(c, width)``; eager: ``values`` become numerators."""
+        """The rows' state over this visit alone ``(c, width)`` (eager: ``values`` become numerators)."""
         raise NotImplementedError
 
     def state_and_gradient(self, values: Tensor, indices: Indices, weights: Tensor | float, *, keep: bool = False
@@ -84,15 +85,14 @@ class Epilogue:
 
     def gradient(self, values: Tensor, indices: Indices, state: Tensor, weights: Tensor | float,
                  partial: Tensor | None, *, keep: bool) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-        """``G`` from the rows' final ``state`` (``partial``: ``values`` are pass 1's numerators against it).
-
-        ``keep``: ``values`` are read again afterwards (a column side). Returns ``G`` and ``Σ_j G_ij`` or ``None``.
+        """``G`` from the rows' final ``state``, and ``Σ_j G_ij`` or ``None``; ``partial``: ``values`` are
+        pass 1's numerators against it; ``keep``: ``values`` are read again afterwards.
         """
         raise NotImplementedError
 
     def add_column_gradient(self, logit_grad: Tensor, values: Tensor, indices: Indices, state: Tensor,
                             weights: Tensor | float, partial: Tensor | None) -> None:  # fmt: skip
-        """``G[:, :width] += G_columnsᵀ``, the column side's gradient from its final ``state``."""
+        """``G[:, :width] += G_columnsᵀ``: a column side's gradient from its final ``state``."""
         raise NotImplementedError
 
 
@@ -142,8 +142,11 @@ class Eager(Epilogue):
 
 
 def epilogue_for(family: Family, queries: Tensor, keys: Tensor, scale: Tensor, bias: Tensor | None) -> Epilogue:
-    """The epilogue of a call: the fused Triton ops where they serve (:func:`._epilogue.fused`), else :class:`Eager`."""
-    if queries.is_cuda or _epilogue_variable():
+    """The epilogue of a call: the fused Triton ops where they serve (:func:`._epilogue.fused`), else :class:`Eager`.
+
+    The one place the fast or eager choice is made; CPU tensors take Triton's interpreter only when asked.
+    """
+    if queries.is_cuda or os.environ.get("CONTRASTIVE_DIST_EPILOGUE") == "triton":
         from contrastive_dist.losses import _epilogue
 
         if _epilogue.fused(family, queries, keys):
@@ -151,108 +154,94 @@ def epilogue_for(family: Family, queries: Tensor, keys: Tensor, scale: Tensor, b
     return Eager(family, scale, bias)
 
 
-def _epilogue_variable() -> bool:
-    import os
-
-    return os.environ.get("CONTRASTIVE_DIST_EPILOGUE") == "triton"  # CPU tensors under Triton's interpreter
-
-
-def _half(queries: Tensor, keys: Tensor) -> bool:
-    """Whether a visit's products take half operands: both sides in one half dtype (:mod:`._precision`)."""
-    return queries.dtype == keys.dtype and queries.dtype in (torch.bfloat16, torch.float16)
-
-
-BLOCK_LOGITS = 2**24
-"""The default chunk's budget for a visit serving both directions of a symmetric loss in one pass off CUDA,
-and what a call may keep between its passes: at most this many logits (64 MiB in float32)."""
-CUDA_BLOCK_LOGITS = 2**28
-"""The default chunk's budget on CUDA: at most this many logits (1 GiB in float32) are formed at once.
-
-Each chunk costs the host about half a millisecond to issue (a dozen launches and their Python), so a
-chunk must hold enough work for the GPU to stay ahead of it; measured on an H200 (bfloat16, D = 768,
-B = 65,536, ``benchmarks/gpu_check.py``): SigLIP took 137 ms a step in chunks of 256 rows (2²⁴ logits,
-host-bound), 55 ms in 1024, 45 ms in 4096 (this budget) and 45 ms in 8192; InfoNCE 300, 88, 82 and 80 ms.
-"""
-CPU_BLOCK_LOGITS = 2**20
-"""The default chunk's budget elsewhere on the CPU (4 MiB of float32 logits), with chunks of at least
-:data:`CPU_CHUNK_ROWS` rows: blocks that stay in its caches, rows enough for its matrix products
-(measured: ``benchmarks/floor.py``, where 256 rows beat both the whole block and 128 rows)."""
-CPU_CHUNK_ROWS = 256
-
-
-def default_chunk(rows: int, columns: int, budget: int = BLOCK_LOGITS, least: int = 64) -> int:
-    """Rows per chunk when ``chunk_size=None``: every row if the block holds at most ``budget`` logits, else
-    the most rows under that, in multiples of 64, and at least ``least``.
-
-    Example:
-        >>> default_chunk(4096, 4096), default_chunk(8192, 65536), default_chunk(10, 0)
-        (4096, 256, 10)
-        >>> default_chunk(4096, 8192, CPU_BLOCK_LOGITS, CPU_CHUNK_ROWS)
-        256
-        >>> default_chunk(8192, 65536, CUDA_BLOCK_LOGITS), default_chunk(65536, 131072, CUDA_BLOCK_LOGITS)
-        (4096, 2048)
+class Kept(NamedTuple):
+    """A visit as pass 1 left it for pass 2: its product (eager: numerators against ``partial``), its column
+    side's values against ``column_partial``, and where the rows' states were final, their ``G`` already.
     """
-    if rows * columns <= budget:
-        return max(rows, 1)
-    return max(least, budget // columns // 64 * 64)
+
+    product: Tensor | None = None
+    partial: Tensor | None = None
+    column_values: Tensor | None = None
+    column_partial: Tensor | None = None
+    logit_grad: Tensor | None = None
+    sums: Tensor | None = None
 
 
-def chunks(rows: int, chunk: int | None, columns: int, queries: Tensor, one_pass_symmetric: bool = False
-           ) -> list[tuple[int, int]]:  # fmt: skip
-    """``(start, stop)`` of each chunk of ``rows`` rows against ``columns`` (``None``: :func:`default_chunk`).
+def states_of(epilogue: Epilogue, visit: Visit, grads: Grads | None, kept: list[Kept] | None, *,
+              one_pass: bool = False, rows_final: bool = False) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """Pass 1 of a visit: its rows' (and column side's) partial states.
 
-    The default budget: :data:`CUDA_BLOCK_LOGITS` on CUDA; elsewhere :data:`BLOCK_LOGITS` for a symmetric
-    block formed in one pass (in chunks it would cost a fourth product), else :data:`CPU_BLOCK_LOGITS` with
-    at least :data:`CPU_CHUNK_ROWS` rows.
+    ``one_pass``: ``G`` and its products too. ``kept``: the visit is kept for pass 2; where its rows' states
+    are final (``rows_final``) and ``G`` is formed in forward (``grads``), their ``G`` is formed now.
     """
-    if chunk is None:
-        if queries.is_cuda:
-            chunk = default_chunk(rows, columns, CUDA_BLOCK_LOGITS)
-        elif one_pass_symmetric:
-            chunk = default_chunk(rows, columns, BLOCK_LOGITS)
-        else:
-            chunk = default_chunk(rows, columns, CPU_BLOCK_LOGITS, CPU_CHUNK_ROWS)
-    return [(start, min(start + chunk, rows)) for start in range(0, rows, chunk)]
+    columns = visit.columns
+    product = epilogue.product(visit.queries, visit.keys)
+    column_values = column_partial = None
+    if columns is not None:
+        column_values = epilogue.transposed(product, columns.state.shape[0])
+        column_partial = epilogue.state(column_values, columns.indices)
+    if grads is not None and (one_pass or (kept is not None and rows_final)):
+        partial, logit_grad, sums = epilogue.state_and_gradient(product, visit.rows.indices, visit.rows.weights,
+                                                                keep=columns is not None)  # fmt: skip
+        if one_pass:
+            accumulate(logit_grad, visit, grads, sums)
+        elif kept is not None:
+            kept.append(Kept(None, None, column_values, column_partial, logit_grad, sums))
+        return partial, column_partial
+    partial = epilogue.state(product, visit.rows.indices)
+    if kept is not None:
+        kept.append(Kept(product, partial, column_values, column_partial))
+    return partial, column_partial
+
+
+def gradients_of(epilogue: Epilogue, visit: Visit, grads: Grads, kept: Kept | None) -> None:
+    """Pass 2 of a visit: ``G`` from the final states (the rows', then the column side's added), and its products."""
+    rows, columns = visit.rows, visit.columns
+    product, partial, column_values, column_partial, logit_grad, sums = kept or Kept()
+    if logit_grad is None:
+        if product is None:
+            product = epilogue.product(visit.queries, visit.keys)
+        if columns is not None and column_values is None:
+            column_values = epilogue.transposed(product, columns.state.shape[0])
+        logit_grad, sums = epilogue.gradient(product, rows.indices, rows.state, rows.weights, partial,
+                                             keep=columns is not None)  # fmt: skip
+    if columns is not None and column_values is not None:
+        epilogue.add_column_gradient(logit_grad, column_values, columns.indices, columns.state, columns.weights,
+                                     column_partial)  # fmt: skip
+    accumulate(logit_grad, visit, grads, sums)
 
 
 class Grads(NamedTuple):
-    """Gradient accumulators of one call, in the core's dtype.
+    """A call's gradient accumulators, in the core's dtype.
 
     Attributes:
-        query: ``(n, D)`` the queries' ``Σ G K``, unscaled (:func:`scaled` applies the scale once, after the
-            last visit), when the queries or the scale need a gradient; else ``None``.
+        query: ``(n, D)`` the queries' ``Σ G K``, unscaled (the scale applies once, after the last visit),
+            when the queries or the scale need a gradient; else ``None``.
         bias: ``()`` the bias's ``Σ G``, or ``None``.
-        want_query, want_scale: which of the queries and the scale need a gradient.
-        sums: the fused epilogue's row sums of ``G`` (the bias's), added once after the last visit.
+        want_query, want_scale, want_key: which of the queries, the scale and the keys need a gradient.
+        sums: the fused epilogue's row sums of ``G``, added to the bias's once, after the last visit.
     """
 
     query: Tensor | None
     bias: Tensor | None
     want_query: bool
     want_scale: bool
+    want_key: bool
     sums: list[Tensor]
 
 
-def grads_for(queries: Tensor, scale: Tensor, want_query: bool, want_scale: bool, want_bias: bool) -> Grads:
-    """Fresh accumulators, in the core's dtype (``scale``'s) whatever the queries' dtype."""
-    query = torch.zeros_like(queries, dtype=scale.dtype) if want_query or want_scale else None
-    return Grads(query, scale.new_zeros(()) if want_bias else None, want_query, want_scale, [])
-
-
 def accumulate(logit_grad: Tensor, visit: Visit, grads: Grads, row_sums: Tensor | None = None) -> None:
-    """From a visit's ``G = ∂(Σ w ℓ)/∂logits``: add every input's gradient, unscaled.
+    """From a visit's ``G = ∂(Σ w ℓ)/∂logits``, add every input's gradient, unscaled.
 
-    The queries' ``G K`` (into ``visit.query_grad``), the keys' ``Gᵀ Q`` (into ``visit.key_grad``), the
-    bias's ``Σ G`` (``row_sums``, the fused epilogue's, are kept and added once by :func:`scaled`). The
-    logits' scale ``s`` multiplies both products: it is applied once, after the last visit. Half operands
+    The logits' scale ``s`` multiplies both products: it is applied once, after the last visit. Half operands
     multiply ``G`` rounded to their dtype. In float16, whose range is narrow, ``G`` is first multiplied by a
-    power of two that brings its largest entry to [½, 1) and the products are divided by it: the row
-    weights folded into ``G`` (upstream gradients ≈ 1/N) would otherwise fall below float16's smallest numbers.
+    power of two that brings its largest entry to [½, 1) and the products are divided by it: the row weights
+    folded into ``G`` (upstream gradients ≈ 1/N) would otherwise fall below float16's smallest numbers.
     """
     if grads.bias is not None:
         if row_sums is None:
             grads.bias.add_(logit_grad.sum())
-        else:
+        else:  # each costs a launch, as much as a small chunk's work on a GPU: added once at the end
             grads.sums.append(row_sums)
     queries, keys = visit.queries, visit.keys
     half = _half(queries, keys)
@@ -260,11 +249,9 @@ def accumulate(logit_grad: Tensor, visit: Visit, grads: Grads, row_sums: Tensor 
         queries, keys = upcast(queries), upcast(keys)
     factor, unscale = _rounded(logit_grad, queries.dtype) if half else (logit_grad, None)
     for accumulator, first, second in ((visit.key_grad, factor.T, queries), (visit.query_grad, factor, keys)):
-        if accumulator is None:
-            continue
-        if unscale is None:
+        if accumulator is not None and unscale is None:
             add_product_(accumulator, first, second)
-        else:
+        elif accumulator is not None:
             accumulator.add_(product(first, second).mul_(unscale))
 
 
@@ -277,57 +264,47 @@ def _rounded(logit_grad: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | N
     return torch.mul(logit_grad, torch.exp2(-power)).to(dtype), torch.exp2(power)
 
 
-def scaled(grads: Grads, queries: Tensor, scale: Tensor) -> tuple[Tensor | None, Tensor | None]:
-    """The queries' gradient ``s · Σ G K`` and the scale's ``Σ Q ⊙ (Σ G K)``; the kept row sums into the bias's."""
-    if grads.sums and grads.bias is not None:
-        grads.bias.add_((grads.sums[0] if len(grads.sums) == 1 else torch.cat(grads.sums)).sum())
-    grads.sums.clear()
-    if grads.query is None:
-        return None, None
-    scale_grad = (upcast(queries) * grads.query).sum() if grads.want_scale else None
-    return (grads.query.mul_(scale) if grads.want_query else None), scale_grad
+def _half(queries: Tensor, keys: Tensor) -> bool:
+    """Whether a visit's products take half operands: both sides in one half dtype (see :mod:`._options`)."""
+    return queries.dtype == keys.dtype and queries.dtype in _HALF
 
 
-def gradients_wanted(*tensors: Tensor | None) -> tuple[bool, ...]:
-    """Which of ``tensors`` need a gradient (none under ``no_grad``)."""
-    return tuple(tensor is not None and torch.is_grad_enabled() and tensor.requires_grad for tensor in tensors)
+def product(first: Tensor, second: Tensor) -> Tensor:
+    """``first @ second`` in the core's dtype; operands of one half dtype are multiplied as they are.
 
+    On CUDA two bf16/fp16 operands take the tensor cores with a float32 result (on the meta device the same
+    overload, for counting); elsewhere, on a torch without that overload, or when the dtypes differ, both
+    are upcast first.
 
-def as_input(grad: Tensor | None, like: Tensor) -> Tensor | None:
-    """A gradient handed back to an input: in the input's dtype."""
-    return None if grad is None else grad.to(like.dtype)
+    Shape:
+        first: ``(a, k)``; second: ``(k, b)``; output: ``(a, b)``, float32 (float64 for float64 operands).
 
-
-def formed_in_forward(ctx: Any, grad_total: Tensor) -> tuple[Tensor | None, ...]:
-    """A backward whose gradients were formed in forward: each saved one times the total's incoming gradient.
-
-    ``ctx.saved_tensors`` hold the gradients of the total (``None`` where not wanted) and ``ctx.dtypes``
-    their inputs' dtypes, in the same order.
+    Example:
+        >>> import torch
+        >>> a, b = torch.randn(2, 3).bfloat16(), torch.randn(3, 4).bfloat16()
+        >>> product(a, b).dtype, torch.equal(product(a, b), a.float() @ b.float())
+        (torch.float32, True)
     """
-    saved = zip(ctx.saved_tensors, ctx.dtypes, strict=True)
-    return tuple(None if grad is None else (grad * grad_total).to(dtype) for grad, dtype in saved)
+    if first.dtype == second.dtype and first.dtype in _HALF and out_dtype_products(first.device):
+        return torch.mm(first, second, out_dtype=torch.float32)
+    return upcast(first) @ upcast(second)
 
 
-Backward = Callable[..., tuple[Tensor | None, ...]]
+def add_product_(out: Tensor, first: Tensor, second: Tensor) -> Tensor:
+    """``out += first @ second`` in place, in ``out``'s dtype (the core's): no temporary of the product.
 
+    Two half operands on CUDA accumulate on the tensor cores straight into the float32 ``out`` (``addmm``
+    with ``out_dtype``); elsewhere both are upcast first, like :func:`product`.
 
-def first_order_only(backward: Backward) -> Backward:
-    """Mark a driver's ``backward`` as not differentiable, and run it with autocast off.
+    Shape:
+        out: ``(a, b)``; first: ``(a, k)``; second: ``(k, b)``.
 
-    ``create_graph=True`` raises instead of being wrong: ``once_differentiable`` alone stays silent when the
-    incoming gradient is a constant (the usual ``grad(loss, x, create_graph=True)``), and the second
-    derivative would quietly miss this term.
+    Example:
+        >>> import torch
+        >>> out, a, b = torch.ones(2, 4), torch.randn(2, 3).bfloat16(), torch.randn(3, 4).bfloat16()
+        >>> torch.equal(add_product_(out.clone(), a, b), out + a.float() @ b.float())
+        True
     """
-    once = torch.autograd.function.once_differentiable(backward)
-
-    @functools.wraps(backward)
-    def checked(ctx: Any, *grad_outputs: Any) -> tuple[Tensor | None, ...]:
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "double backward (create_graph=True) through the contrastive losses' kernels is not "
-                "supported: their gradients are formed block by block (once_differentiable)"
-            )
-        with full_precision(grad_outputs[0].device):  # a backward inside autocast computes in forward's dtype
-            return once(ctx, *grad_outputs)
-
-    return checked
+    if first.dtype == second.dtype and first.dtype in _HALF and out_dtype_products(first.device):
+        return torch.addmm(out, first, second, out_dtype=out.dtype, out=out)
+    return out.addmm_(upcast(first), upcast(second))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,12 +11,10 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist._validation import check_pair
-from contrastive_dist.engine.gather import gather_agreed
 from contrastive_dist.losses._families import DECOUPLED
 from contrastive_dist.losses._frame import Call, Common, begin
 from contrastive_dist.losses._module import HeldOptions
-from contrastive_dist.losses._options import Communication, Reduction, check_positive_weight, check_sigma
-from contrastive_dist.losses._precision import full_precision
+from contrastive_dist.losses._options import Communication, Reduction, compute_dtype, full_precision
 from contrastive_dist.losses._targets import RowTargets
 from contrastive_dist.losses._transports import Columns
 from contrastive_dist.losses.ntxent import two_views
@@ -82,7 +81,7 @@ def dcl(
         cosine = (views[0::2] * views[1::2]).sum(dim=1)
         v = given if given is not None else torch.ones_like(cosine)
         if sigma_ is not None:
-            every = gather_agreed((cosine.detach() / sigma_,), call.layout).tensors[0]
+            every = call.gathered(cosine.detach() / sigma_)
             v = 2 - every.shape[0] * torch.softmax(every, dim=0)[start : start + samples]
         v = v if v.ndim == 2 else v[:, None]  # per sample, or per anchor (a column per view)
         positive = ((call.scale * cosine)[:, None] * v).expand(samples, 2).flatten() * has_negative
@@ -112,6 +111,32 @@ def decoupled_views(
     return views, weights, columns, RowTargets(keys=anchor_keys, key_rule="mask"), RowTargets(key_rule="mask")
 
 
+def check_sigma(sigma: object, positive_weight: object = None) -> float | None:
+    """DCLW's ``σ``: ``None`` or a number > 0, not together with a given ``positive_weight``."""
+    if sigma is None:
+        return None
+    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma <= 0:
+        raise ValueError(f"sigma must be a finite number > 0 or None, got {sigma!r}")
+    if positive_weight is not None:
+        raise ValueError("give sigma (DCLW's von Mises-Fisher weights) or positive_weight, not both")
+    return float(sigma)
+
+
+def check_positive_weight(positive_weight: object, like: Tensor) -> Tensor | None:
+    """``None``, or a float tensor of ``(n,)`` (per sample) or ``(n, 2)`` (per anchor), moved to ``like``'s device."""
+    if positive_weight is None:
+        return None
+    rows = like.shape[0]
+    if not isinstance(positive_weight, Tensor) or not positive_weight.is_floating_point():
+        raise TypeError(f"positive_weight must be a floating-point torch.Tensor, got {type(positive_weight).__name__}"
+                        f"{'' if not isinstance(positive_weight, Tensor) else f' of {positive_weight.dtype}'}")
+    if tuple(positive_weight.shape) not in ((rows,), (rows, 2)):
+        shape = tuple(positive_weight.shape)
+        raise ValueError(f"positive_weight must have shape ({rows},) or ({rows}, 2), got {shape}")
+    weights = positive_weight.to(device=like.device, dtype=compute_dtype(like.dtype))
+    return weights if weights.ndim == 2 else weights[:, None]
+
+
 class DCLLoss(HeldOptions):
     """DCL (``sigma=None``) or DCLW over the global batch; holds the options of :func:`dcl`.
 
@@ -126,7 +151,7 @@ class DCLLoss(HeldOptions):
     def __init__(self, *, temperature: float = 0.1, sigma: float | None = None, chunk_size: int | None = None,
                  group: ProcessGroup | None = None, reduction: Reduction = "mean",
                  communication: Communication = "gather") -> None:
-        super().__init__(temperature=temperature, sigma=sigma, chunk_size=chunk_size, group=group,
+        super().__init__(temperature=temperature, sigma=check_sigma(sigma), chunk_size=chunk_size, group=group,
                          reduction=reduction, communication=communication)
 
     def forward(self, z1: Tensor, z2: Tensor, logit_scale: Tensor | float | None = None, *,

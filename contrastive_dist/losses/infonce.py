@@ -14,8 +14,7 @@ from contrastive_dist.losses._families import SOFTMAX
 from contrastive_dist.losses._frame import Common, begin
 from contrastive_dist.losses._module import HeldOptions
 from contrastive_dist.losses._negatives import SharedNegatives, check_negative_ids, check_negatives, negatives_options
-from contrastive_dist.losses._options import Communication, Reduction, SameId, check_bool, check_ids
-from contrastive_dist.losses._precision import full_precision
+from contrastive_dist.losses._options import Communication, Reduction, SameId, check_bool, check_ids, full_precision
 from contrastive_dist.losses._targets import pair_targets
 
 __all__ = ["DistributedInfoNCE", "info_nce"]

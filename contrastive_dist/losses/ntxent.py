@@ -13,8 +13,7 @@ from contrastive_dist._validation import check_pair
 from contrastive_dist.losses._families import SOFTMAX
 from contrastive_dist.losses._frame import Call, Common, begin
 from contrastive_dist.losses._module import HeldOptions
-from contrastive_dist.losses._options import Communication, Reduction, SameId
-from contrastive_dist.losses._precision import full_precision, half_products, upcast
+from contrastive_dist.losses._options import Communication, Reduction, SameId, full_precision, half_products, upcast
 from contrastive_dist.losses._targets import pair_targets
 from contrastive_dist.losses._unit import unit_rows
 
@@ -116,7 +115,7 @@ def two_views(
     """Two views as anchors, sample-major (sample ``i``'s views: rows ``2i``, ``2i + 1``), their keys and weights.
 
     Normalised in the core's dtype, then rounded back to the features' dtype where half features
-    enter the products as they are (CUDA; see :mod:`._precision`): the unit vectors carry the
+    enter the products as they are (CUDA; see :mod:`._options`): the unit vectors carry the
     features' own precision, as those of a half-precision model do, and the products run on the
     tensor cores (float32 unit vectors made an H200's bf16 step 8× slower). Both views of a sample
     carry its key (one per sample, as compared) and its weight.

@@ -13,8 +13,7 @@ from contrastive_dist._validation import check_pair
 from contrastive_dist.losses._families import SIGMOID
 from contrastive_dist.losses._frame import Common, begin
 from contrastive_dist.losses._module import HeldOptions
-from contrastive_dist.losses._options import Communication, Reduction, SameId, scalar_tensor
-from contrastive_dist.losses._precision import full_precision
+from contrastive_dist.losses._options import Communication, Reduction, SameId, full_precision, scalar_tensor
 from contrastive_dist.losses._targets import pair_targets
 
 __all__ = ["SigLIPLoss", "siglip"]

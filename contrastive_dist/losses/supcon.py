@@ -14,8 +14,7 @@ from contrastive_dist._validation import check_features
 from contrastive_dist.losses._families import SOFTMAX
 from contrastive_dist.losses._frame import Common, begin
 from contrastive_dist.losses._module import HeldOptions
-from contrastive_dist.losses._options import Communication, Reduction
-from contrastive_dist.losses._precision import full_precision, operands
+from contrastive_dist.losses._options import Communication, Reduction, full_precision, operands
 from contrastive_dist.losses._targets import RowTargets
 
 __all__ = ["SupConLoss", "supcon"]
