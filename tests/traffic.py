@@ -27,6 +27,11 @@ What counts:
 * an operator registered through ``torch.library`` (say ``contrastive_dist::sigmoid_epilogue``
   with a fake implementation) is one launch with its inputs and outputs, like any other.
 
+:class:`Traffic` also follows the memory a call holds: every storage an operator's output makes (views
+share their base's), alive until its last tensor goes; :attr:`Traffic.peak` is the most bytes alive at
+once, the inputs made before the count left out, as a GPU's ``max_memory_allocated`` above the inputs
+(the allocator's rounding and caching aside). :func:`peak` gives it for a loss's forward and backward.
+
 The autograd engine cannot run a backward pass on fake CUDA tensors without a GPU (it asks the CUDA
 driver for a context), so :func:`backward` walks the graph itself in topological order, calling each
 node as the engine would; ``tests/test_traffic.py`` checks it against the engine on CPU tensors.
@@ -42,10 +47,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["PRODUCTS", "Op", "Tally", "Traffic", "backward", "count", "fake_cuda"]
+__all__ = ["PRODUCTS", "Op", "Tally", "Traffic", "backward", "count", "fake_cuda", "peak"]
 
 PRODUCTS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "mv", "addmv", "dot", "_scaled_mm"})
 """Operator names (without overload) counted as matrix products."""
@@ -145,6 +151,21 @@ class Traffic(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[Op] = []
+        self.peak = 0
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def _hold(self, out: Any, inputs: Any) -> None:
+        """Count the storages ``out`` made (not an input's: a view, an in-place result); forget those whose
+        tensors are all gone; raise :attr:`peak`."""
+        given = {StorageWeakRef(t.untyped_storage()).cdata for t in tree_leaves(inputs) if isinstance(t, Tensor)}
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, Tensor) and tensor.device.type != "cpu":
+                storage = tensor.untyped_storage()
+                reference = StorageWeakRef(storage)
+                if reference.cdata not in given:
+                    self._live.setdefault(reference.cdata, (reference, storage.nbytes()))
+        self._live = {key: held for key, held in self._live.items() if not held[0].expired()}
+        self.peak = max(self.peak, sum(size for _, size in self._live.values()))
 
     def __torch_dispatch__(
         self, func: torch._ops.OpOverload, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -154,6 +175,7 @@ class Traffic(TorchDispatchMode):
             self.ops.append(Op(_READ_BACK, args[0].element_size(), None, args[0].device.type))
             return True if args[0].dtype == torch.bool else 1.0 if args[0].dtype.is_floating_point else 1
         out = func(*args, **kwargs)
+        self._hold(out, (args, kwargs))
         if not _free(func):
             product = _name(func).rstrip("_") in PRODUCTS  # addmm_ too
             inner = [t for t in args if isinstance(t, Tensor)][-2].shape[-1] if product else None
@@ -276,3 +298,15 @@ def count(loss: Callable[..., Tensor], inputs: Callable[[], Sequence[Tensor]], *
         with Traffic() as traffic:
             backward(loss(*arguments))
     return Tally.of(traffic.ops, dim)
+
+
+def peak(loss: Callable[..., Tensor], inputs: Callable[[], Sequence[Tensor]]) -> int:
+    """The most bytes ``loss(*inputs()).backward()`` holds at once on CUDA, above its inputs, on fake tensors.
+
+    The gradients handed to the inputs count (they are made by the call); the inputs do not.
+    """
+    with fake_cuda():
+        arguments = inputs()
+        with Traffic() as traffic:
+            backward(loss(*arguments))
+    return traffic.peak

@@ -212,9 +212,9 @@ class _Run:
         query_grad, scale_grad = grads.query, self.tile_scale
         if query_grad is not None and grads.want_scale:
             scale_grad = (upcast(self.queries) * query_grad).sum()  # Σ Q ⊙ (Σ G K), before the scale
+        query_grad = query_grad.mul_(self.scale) if query_grad is not None and grads.want_query else None
         if key_grad is not None and grads.want_key:
             key_grad = key_grad.mul_(self.scale)[: self.keys.shape[0]]  # (the columns held here take none)
-        query_grad = query_grad.mul_(self.scale) if query_grad is not None and grads.want_query else None
         return query_grad, key_grad if grads.want_key else None, scale_grad
 
     def new_key_grad(self, owner: int) -> Tensor:
@@ -233,7 +233,7 @@ class _Run:
 
         def visit(owner: int, block: tuple[Tensor, ...], accumulator: Tensor | None) -> None:
             column_state = accumulator if self.symmetric else None
-            parts = [states_of(self.epilogue, one, grads, self.kept, one_pass=one_pass, rows_final=self.rows_final)
+            parts = [states_of(self.epilogue, one, grads if one_pass else None, self.kept)
                      for one in self.visits(owner, block, column_state, grads, accumulator if one_pass else None,
                                             weights)]  # fmt: skip
             if not parts:

@@ -26,6 +26,9 @@ from contrastive_dist.losses._visit import Epilogue, product
 __all__ = ["Fused", "fused"]
 
 _EPILOGUE_VARIABLE = "CONTRASTIVE_DIST_EPILOGUE"  # read here too, so that CPU runs never import Triton
+SLICE_LOGITS = 2**26
+"""The most logits of a pass-2 ``G`` formed at once in a buffer beside the product (256 MiB of fp32 product
+rows: a quarter of the default CUDA chunk's): InfoNCE's bf16 peak 7.2 → 6.1 bytes a logit of the chunk."""
 
 
 def fused(family: Family, queries: Tensor, keys: Tensor) -> bool:
@@ -65,10 +68,10 @@ class Fused(Epilogue):
     def state_and_gradient(self, values: Tensor, indices: Indices, weights: Tensor | float, *, keep: bool = False
                            ) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
         positive, excluded, options = _arguments(indices)
-        grad = self._buffer(values, keep=keep)
+        grad = self._buffer(values, keep=keep, in_place=True)  # both ops own whole rows
         if self.sigmoid:
             sums, grad_sums = self.ops.sigmoid_block(values, self.scale, self.bias, positive, excluded,
-                                                     _weights(weights), grad, **options)  # fmt: skip
+                                                     _weights(weights), grad, splits=1, **options)  # fmt: skip
             return sums[:, None], grad, grad_sums
         state = self.ops.softmax_block(values, self.scale, self.bias, positive, excluded, _weights(weights), grad,
                                        **options)  # fmt: skip
@@ -77,10 +80,10 @@ class Fused(Epilogue):
     def gradient(self, values: Tensor, indices: Indices, state: Tensor, weights: Tensor | float,
                  partial: Tensor | None, *, keep: bool) -> tuple[Tensor, Tensor | None]:  # fmt: skip
         positive, excluded, options = _arguments(indices)
-        grad = self._buffer(values, keep=keep)
+        grad = self._buffer(values, keep=keep, in_place=self.sigmoid)
         if self.sigmoid:  # a pair's term needs no state
             _, grad_sums = self.ops.sigmoid_block(values, self.scale, self.bias, positive, excluded,
-                                                  _weights(weights), grad, **options)  # fmt: skip
+                                                  _weights(weights), grad, splits=1, **options)  # fmt: skip
             return grad, grad_sums
         self.ops.softmax_grad(values, self.scale, self.bias, state, positive, excluded, _weights(weights), grad,
                               **options)  # fmt: skip
@@ -92,11 +95,28 @@ class Fused(Epilogue):
         self.ops.softmax_grad(values, self.scale, self.bias, state, positive, excluded, _weights(weights),
                               logit_grad[:, : values.shape[0]].T, accumulate=True, **options)  # fmt: skip
 
-    def _buffer(self, product: Tensor, *, keep: bool) -> Tensor:
-        """Where ``G`` goes: a buffer in the features' dtype, or the float32 product itself when it is not read again."""
-        if self.dtype != torch.float32 or keep:
+    def slice_rows(self, rows: int, columns: int, *, keep: bool) -> int:
+        """Where ``G`` needs a buffer beside the product (bfloat16 features, the product read again), rows of at
+        most :data:`SLICE_LOGITS` logits a slice: the buffer stays a quarter of the default chunk's."""
+        if not keep or self.dtype == torch.float32:
+            return rows
+        return max(1, min(rows, SLICE_LOGITS // max(columns, 1)))
+
+    def _buffer(self, product: Tensor, *, keep: bool, in_place: bool = False) -> Tensor:
+        """Where ``G`` goes, in the features' dtype: the product's own storage when it is not read again, else a buffer.
+
+        float32: the product itself. bfloat16 (``in_place``: an op whose programs own whole rows, each reading a
+        row's columns in order before writing them): row ``i`` of ``G`` in the first half of row ``i``'s bytes,
+        ``(c, m)`` with strides ``(2m, 1)``: each element written over the product's elements ``≤ j`` of its
+        own row, read already. No chunk-sized buffer beside the product (``tests/test_traffic.py``'s peak).
+        """
+        if keep:
             return product.new_empty(product.shape, dtype=self.dtype)
-        return product
+        if self.dtype == torch.float32:
+            return product
+        if in_place and self.dtype == torch.bfloat16 and product.is_contiguous() and product.shape[1]:
+            return product.view(self.dtype)[:, : product.shape[1]]
+        return product.new_empty(product.shape, dtype=self.dtype)
 
 
 def _arguments(indices: Indices) -> tuple[Tensor | None, Tensor | None, dict[str, object]]:

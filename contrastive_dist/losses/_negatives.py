@@ -20,7 +20,7 @@ from contrastive_dist._validation import check_features
 from contrastive_dist.engine._agreement import Layout
 from contrastive_dist.engine._ring import Ring
 from contrastive_dist.engine.gather import gather_agreed
-from contrastive_dist.losses._options import operands
+from contrastive_dist.losses._options import check_ids, operands
 from contrastive_dist.losses._transports import Columns, OneBlock, RingBlocks
 
 __all__ = [
@@ -56,10 +56,16 @@ class SharedNegatives(NamedTuple):
     keys: Tensor
 
 
-def check_negatives(negatives: object, texts: Tensor) -> Tensor | SharedNegatives | None:
-    """Check ``negatives`` against the text features: 2-d, the same ``D``, and (own negatives) the same dtype."""
+def check_negatives(negatives: object, negative_ids: object, ids: object, texts: Tensor
+                    ) -> tuple[Tensor | SharedNegatives | None, Tensor | None]:  # fmt: skip
+    """Check InfoNCE's extra negatives against the text features and their ids against the rows'.
+
+    The negatives: 2-d, the texts' ``D`` and (own negatives) dtype; ``negative_ids=``: one int64 id per
+    negative, and only with both ``negatives=`` and ``ids=``. Returns both, the shared ones detached.
+    """
+    check_negative_ids(negative_ids, ids, negatives)
     if negatives is None:
-        return None
+        return None, None
     shared = isinstance(negatives, SharedNegatives)
     name = "negatives.keys" if shared else "negatives"
     keys = check_features(name, negatives.keys if isinstance(negatives, SharedNegatives) else negatives)
@@ -69,7 +75,8 @@ def check_negatives(negatives: object, texts: Tensor) -> Tensor | SharedNegative
         )
     if not shared and keys.dtype != texts.dtype:
         raise TypeError(f"negatives must have the text features' dtype {texts.dtype}, got {keys.dtype}")
-    return SharedNegatives(keys.detach().to(texts.device)) if shared else keys
+    checked = SharedNegatives(keys.detach().to(texts.device)) if shared else keys
+    return checked, check_ids("negative_ids", negative_ids, keys.shape[0], texts)
 
 
 def negatives_options(negatives: object, negative_ids: object) -> dict[str, object]:

@@ -95,6 +95,10 @@ class Epilogue:
         """``G[:, :width] += G_columnsᵀ``: a column side's gradient from its final ``state``."""
         raise NotImplementedError
 
+    def slice_rows(self, rows: int, columns: int, *, keep: bool) -> int:
+        """Rows of a visit whose ``G`` is formed at once in pass 2 (``keep``: the product is read again)."""
+        return rows
+
 
 class Eager(Epilogue):
     """The reference epilogue: the family's functions on the logits ``s · Q Kᵀ (+ b)``, in place."""
@@ -155,39 +159,29 @@ def epilogue_for(family: Family, queries: Tensor, keys: Tensor, scale: Tensor, b
 
 
 class Kept(NamedTuple):
-    """A visit as pass 1 left it for pass 2: its product (eager: numerators against ``partial``), its column
-    side's values against ``column_partial``, and where the rows' states were final, their ``G`` already.
-    """
+    """A visit as pass 1 left it for pass 2: its product (eager: numerators against ``partial``) and its
+    column side's values (eager: numerators against ``column_partial``)."""
 
-    product: Tensor | None = None
-    partial: Tensor | None = None
+    product: Tensor
+    partial: Tensor
     column_values: Tensor | None = None
     column_partial: Tensor | None = None
-    logit_grad: Tensor | None = None
-    sums: Tensor | None = None
 
 
-def states_of(epilogue: Epilogue, visit: Visit, grads: Grads | None, kept: list[Kept] | None, *,
-              one_pass: bool = False, rows_final: bool = False) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-    """Pass 1 of a visit: its rows' (and column side's) partial states.
-
-    ``one_pass``: ``G`` and its products too. ``kept``: the visit is kept for pass 2; where its rows' states
-    are final (``rows_final``) and ``G`` is formed in forward (``grads``), their ``G`` is formed now.
-    """
+def states_of(epilogue: Epilogue, visit: Visit, grads: Grads | None, kept: list[Kept] | None
+              ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """Pass 1 of a visit: its rows' (and column side's) partial states; with ``grads`` (the rows' states are
+    final after it, no column side), ``G`` and its products too; ``kept``: the visit is kept for pass 2."""
     columns = visit.columns
     product = epilogue.product(visit.queries, visit.keys)
     column_values = column_partial = None
     if columns is not None:
         column_values = epilogue.transposed(product, columns.state.shape[0])
         column_partial = epilogue.state(column_values, columns.indices)
-    if grads is not None and (one_pass or (kept is not None and rows_final)):
-        partial, logit_grad, sums = epilogue.state_and_gradient(product, visit.rows.indices, visit.rows.weights,
-                                                                keep=columns is not None)  # fmt: skip
-        if one_pass:
-            accumulate(logit_grad, visit, grads, sums)
-        elif kept is not None:
-            kept.append(Kept(None, None, column_values, column_partial, logit_grad, sums))
-        return partial, column_partial
+    if grads is not None:
+        partial, logit_grad, sums = epilogue.state_and_gradient(product, visit.rows.indices, visit.rows.weights)
+        accumulate(logit_grad, visit, grads, sums)
+        return partial, None
     partial = epilogue.state(product, visit.rows.indices)
     if kept is not None:
         kept.append(Kept(product, partial, column_values, column_partial))
@@ -195,28 +189,45 @@ def states_of(epilogue: Epilogue, visit: Visit, grads: Grads | None, kept: list[
 
 
 def gradients_of(epilogue: Epilogue, visit: Visit, grads: Grads, kept: Kept | None) -> None:
-    """Pass 2 of a visit: ``G`` from the final states (the rows', then the column side's added), and its products."""
+    """Pass 2 of a visit: ``G`` from the final states (the rows', then the column side's added), and its products.
+
+    Where ``G`` needs a buffer of its own beside the product (:meth:`Epilogue.slice_rows`), it is formed and
+    used a slice of the visit's rows at a time, in one buffer's worth of memory.
+    """
+    product = kept.product if kept is not None else epilogue.product(visit.queries, visit.keys)
+    columns = visit.columns
+    column_values = None if columns is None else (kept.column_values if kept is not None and kept.column_values
+                                                  is not None else epilogue.transposed(product, len(columns.state)))
+    rows = visit.queries.shape[0]
+    step = epilogue.slice_rows(rows, product.shape[1], keep=columns is not None)
+    for start in range(0, rows, step):
+        part = visit if step >= rows else _rows_of(visit, start, start + step)
+        values = product if step >= rows else product[start : start + step]
+        logit_grad, sums = epilogue.gradient(values, part.rows.indices, part.rows.state, part.rows.weights,
+                                             None if kept is None else kept.partial, keep=columns is not None)
+        if part.columns is not None and column_values is not None:
+            own = column_values if step >= rows else column_values[:, start : start + step]
+            epilogue.add_column_gradient(logit_grad, own, part.columns.indices, part.columns.state,
+                                         part.columns.weights, None if kept is None else kept.column_partial)
+        accumulate(logit_grad, part, grads, sums)
+
+
+def _rows_of(visit: Visit, start: int, stop: int) -> Visit:
+    """The visit of its rows ``start:stop`` alone, against the same columns."""
     rows, columns = visit.rows, visit.columns
-    product, partial, column_values, column_partial, logit_grad, sums = kept or Kept()
-    if logit_grad is None:
-        if product is None:
-            product = epilogue.product(visit.queries, visit.keys)
-        if columns is not None and column_values is None:
-            column_values = epilogue.transposed(product, columns.state.shape[0])
-        logit_grad, sums = epilogue.gradient(product, rows.indices, rows.state, rows.weights, partial,
-                                             keep=columns is not None)  # fmt: skip
-    if columns is not None and column_values is not None:
-        epilogue.add_column_gradient(logit_grad, column_values, columns.indices, columns.state, columns.weights,
-                                     column_partial)  # fmt: skip
-    accumulate(logit_grad, visit, grads, sums)
+    weights = rows.weights[start:stop] if isinstance(rows.weights, Tensor) else rows.weights
+    row_side = Side(rows.indices.rows(start, stop), rows.state[start:stop], weights)
+    column_side = None if columns is None else columns._replace(indices=columns.indices.columns(start, stop))
+    query_grad = None if visit.query_grad is None else visit.query_grad[start:stop]
+    return Visit(visit.queries[start:stop], visit.keys, row_side, column_side, query_grad, visit.key_grad)
 
 
 class Grads(NamedTuple):
     """A call's gradient accumulators, in the core's dtype.
 
     Attributes:
-        query: ``(n, D)`` the queries' ``Σ G K``, unscaled (the scale applies once, after the last visit),
-            when the queries or the scale need a gradient; else ``None``.
+        query: ``(n, D)`` the queries' ``Σ G K``, unscaled (the scale applies once, after the last visit), when
+            the queries or the scale need a gradient; else ``None``.
         bias: ``()`` the bias's ``Σ G``, or ``None``.
         want_query, want_scale, want_key: which of the queries, the scale and the keys need a gradient.
         sums: the fused epilogue's row sums of ``G``, added to the bias's once, after the last visit.
@@ -231,7 +242,7 @@ class Grads(NamedTuple):
 
 
 def accumulate(logit_grad: Tensor, visit: Visit, grads: Grads, row_sums: Tensor | None = None) -> None:
-    """From a visit's ``G = ∂(Σ w ℓ)/∂logits``, add every input's gradient, unscaled.
+    """From a visit's ``G = ∂(Σ w ℓ)/∂logits``, add every input's gradient, unscaled: one ``addmm_`` each.
 
     The logits' scale ``s`` multiplies both products: it is applied once, after the last visit. Half operands
     multiply ``G`` rounded to their dtype. In float16, whose range is narrow, ``G`` is first multiplied by a

@@ -13,8 +13,8 @@ from contrastive_dist._validation import check_pair
 from contrastive_dist.losses._families import SOFTMAX
 from contrastive_dist.losses._frame import Common, begin
 from contrastive_dist.losses._module import HeldOptions
-from contrastive_dist.losses._negatives import SharedNegatives, check_negative_ids, check_negatives, negatives_options
-from contrastive_dist.losses._options import Communication, Reduction, SameId, check_bool, check_ids, full_precision
+from contrastive_dist.losses._negatives import SharedNegatives, check_negatives, negatives_options
+from contrastive_dist.losses._options import Communication, Reduction, SameId, check_bool, full_precision
 from contrastive_dist.losses._targets import pair_targets
 
 __all__ = ["DistributedInfoNCE", "info_nce"]
@@ -110,16 +110,16 @@ def info_nce(
 
     """
 
+    given = negatives is not None or negative_ids is not None  # extra columns (most calls have none)
+
     def own() -> _Inputs:
         images, texts = check_pair("image_features", image_features, "text_features", text_features)
         check_bool("symmetric", symmetric)
-        extra = None if negatives is None else check_negatives(negatives, texts)
-        check_negative_ids(negative_ids, ids, extra)
-        extra_rows = 0 if extra is None else (extra.keys if isinstance(extra, SharedNegatives) else extra).shape[0]
-        return _Inputs(images, texts, extra, check_ids("negative_ids", negative_ids, extra_rows, images))
+        extra = check_negatives(negatives, negative_ids, ids, texts) if given else (None, None)
+        return _Inputs(images, texts, *extra)
 
     own_negatives = negatives if isinstance(negatives, Tensor) else None
-    options = {"symmetric": symmetric, **negatives_options(negatives, negative_ids)}  # identical on every rank
+    options = {"symmetric": symmetric, **(negatives_options(negatives, negative_ids) if given else {})}
     call = begin(own, Common(operation="info_nce", logit_scale=logit_scale, temperature=temperature,
                              chunk_size=chunk_size, group=group, sizes=sizes, weight=weight, reduction=reduction,
                              communication=communication, ids=ids, same_id=same_id),
