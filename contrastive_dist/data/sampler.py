@@ -48,10 +48,9 @@ from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
-from torch.distributed import ProcessGroup
 from torch.utils.data import Sampler
 
-from contrastive_dist._dist import get_rank, get_world_size, is_distributed, start_offset
+from contrastive_dist._dist import GroupLike, get_rank, get_world_size, is_distributed, start_offset
 from contrastive_dist.data._permutation import Permutation
 from contrastive_dist.data._sampler_state import EpochPosition, agree_on_start, decode_position, encode_position
 
@@ -91,11 +90,13 @@ class DistributedBatchSampler(Sampler[list[int]]):
         rank: this rank (default: the rank in ``group``, 0 without a process group).
         shuffle: a new random order each epoch; ``False`` keeps the natural order (evaluation).
         seed: seed of the order, any signed 64-bit int; must be the same on every rank.
-        group: process group the defaults are read from. A sampler that is this rank's share of it
-            (the defaults, or the same ``num_replicas`` and ``rank``) checks, at the first batch of
-            each epoch, that every rank starts the epoch at the same step of the same order: else
-            every rank raises the same ``ValueError`` (so every rank must iterate it, as a
-            ``DataLoader`` on every rank does).
+        group: the data-parallel ranks the defaults are read from, a process group or a device mesh
+            ([group][option-group]; under a data × tensor parallel mesh ``mesh["dp"]``: the
+            tensor-parallel ranks of a data-parallel rank get the same batches). A sampler that is
+            this rank's share of it (the defaults, or the same ``num_replicas`` and ``rank``) checks,
+            at the first batch of each epoch, that every rank starts the epoch at the same step of
+            the same order: else every rank raises the same ``ValueError`` (so every rank must
+            iterate it, as a ``DataLoader`` on every rank does).
 
     Shape:
         - each batch: a list of ``sizes(step)[rank]`` ints, ``0 <= size <= batch_size``.
@@ -135,7 +136,7 @@ class DistributedBatchSampler(Sampler[list[int]]):
         rank: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
-        group: ProcessGroup | None = None,
+        group: GroupLike = None,
     ) -> None:
         if isinstance(data_source_or_length, int) and not isinstance(data_source_or_length, bool):
             length = data_source_or_length

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
-from contrastive_dist._dist import is_distributed
+from contrastive_dist._dist import GroupLike, is_distributed
+from contrastive_dist._dtensor_inputs import as_local
 from contrastive_dist._validation import collect
 from contrastive_dist.engine._agreement import Layout, agree
 from contrastive_dist.losses._columns import Columns, meet
@@ -62,7 +62,7 @@ class Common:
     logit_scale: object
     temperature: object
     chunk_size: object
-    group: ProcessGroup | None
+    group: GroupLike
     sizes: Sequence[int] | None
     weight: object
     reduction: Reduction
@@ -159,9 +159,11 @@ def begin(
         extra: this rank's second count (its own negatives).
         total: whether the weight total is agreed (a loss whose denominator only its blocks reveal: no).
     """
+    local_inputs = list(inputs)
 
     def checked() -> tuple[Own, Tensor, int | None, Tensor | None, Tensor | None]:
-        own = check()
+        local_inputs[:] = as_local(inputs, common.group)  # DTensor inputs: this rank's rows, or refused
+        own = cast(Own, as_local(check(), common.group))
         features: Tensor = own[0]
         check_reduction(common.reduction, common.weight)
         check_communication(common.communication)
@@ -187,7 +189,7 @@ def begin(
     same_id = {} if common.same_id is None else {"same_id": common.same_id}
     options = {"ids": common.ids is not None, **same_id, **options}
     layout = agree(
-        [tensor for tensor in (*inputs, common.ids) if tensor is not None],
+        [tensor for tensor in (*local_inputs, common.ids) if tensor is not None],
         problem=problem,
         group=common.group,
         operation=common.operation,
