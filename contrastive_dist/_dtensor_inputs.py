@@ -85,8 +85,9 @@ def _check_placements(tensor: Any, group_ranks: set[int]) -> None:
                 "would count once per replica. Give group= the data-parallel dimension(s) of the mesh only, "
                 "e.g. mesh['dp']"
             )
-        if placement.is_shard() and (placement.dim % tensor.ndim != 0 or len(in_group) < len(ranks)):
-            split = "its rows" if placement.dim % tensor.ndim == 0 else f"its dimension {placement.dim}"
+        split_dim = placement.dim % tensor.ndim if placement.is_shard() else None
+        if split_dim is not None and (split_dim != 0 or len(in_group) < len(ranks)):
+            split = "its rows" if split_dim == 0 else f"its dimension {split_dim}"
             raise ValueError(
                 f"{what} splits {split} over {where}, which the group does not span: the loss needs each row "
                 f"whole on one rank of the group; {_REPLICATE}"
