@@ -121,8 +121,9 @@ def _describe(group: ProcessGroup) -> str:
 def _mesh_group(mesh: DeviceMesh) -> ProcessGroup:
     """A mesh's one group, or the group of all its ranks: its dimensions flattened, as HSDP's ``mesh._flatten()``."""
     if mesh.get_coordinate() is None:
-        raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not in the device mesh {mesh} it "
-                         "was given; call with a mesh that holds this rank")
+        raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not in the device mesh {mesh} "
+                         f"(global ranks {mesh.mesh.flatten().tolist()}) it was given; call with a mesh that holds "
+                         "this rank")
     if mesh.ndim == 1:
         return mesh.get_group()
     if not mesh.mesh_dim_names:
