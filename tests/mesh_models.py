@@ -46,7 +46,7 @@ class Towers(nn.Module):
 
     def forward(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         image, text = F.normalize(self.image(x), dim=-1), F.normalize(self.text(y), dim=-1)
-        return image, text, self.logit_scale.exp()[0]
+        return image, text, self.logit_scale[0].exp()
 
 
 def global_batch(total: int, seed: int = 1) -> tuple[Tensor, Tensor]:
