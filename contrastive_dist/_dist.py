@@ -37,6 +37,14 @@ GroupLike = Union[ProcessGroup, "DeviceMesh", None]
 ``None`` is the default group: the one given to :func:`~contrastive_dist.set_default_group`, else the world.
 Under a data × tensor (× context) parallel mesh give the data-parallel part only, e.g. ``mesh["dp"]``:
 the other dimensions hold the same samples ([scale out][scale-out]).
+
+Example:
+    >>> import torch
+    >>> from contrastive_dist import GroupLike, info_nce
+    >>> def clip_loss(image: torch.Tensor, text: torch.Tensor, group: GroupLike = None) -> torch.Tensor:
+    ...     return info_nce(image, text, group=group)  # e.g. group=mesh["dp"] under tensor parallelism
+    >>> clip_loss(torch.eye(3), torch.eye(3)).shape
+    torch.Size([])
 """
 
 _default: list[tuple[ProcessGroup, object]] = []
