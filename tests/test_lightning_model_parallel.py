@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -43,9 +44,9 @@ class Pairs(Dataset):
 
 
 class ModelParallelPairs(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, communication: str) -> None:
         super().__init__()
-        self.towers = Towers()
+        self.towers, self.communication = Towers(), communication
         self.seen: list[tuple[int, list[int], tuple[int, ...], float]] = []
 
     def configure_model(self) -> None:
@@ -66,7 +67,8 @@ class ModelParallelPairs(L.LightningModule):
         from contrastive_dist.lightning import step_sizes
 
         x, y, ids = batch
-        loss = info_nce(*self.towers(x, y))  # no group=: the loaders made the data-parallel ranks the default
+        # no group=: the loaders made the data-parallel ranks the default group
+        loss = info_nce(*self.towers(x, y), communication=self.communication)
         self.seen.append((self.current_epoch, ids.tolist(), step_sizes(self.trainer, batch_idx), loss.item()))
         return loss
 
@@ -74,14 +76,19 @@ class ModelParallelPairs(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR)
 
 
-def fit_under_model_parallel(rank: int, world_size: int) -> dict:
+def fit_under_model_parallel(rank: int, world_size: int) -> dict[str, dict]:
+    """One fit in each communication mode; what each rank saw and its final weights."""
+    return {communication: _fit(rank, world_size, communication) for communication in ("gather", "ring")}
+
+
+def _fit(rank: int, world_size: int, communication: str) -> dict:
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.tensor import DTensor
 
     saved = dict(os.environ)
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
     try:
-        module = ModelParallelPairs()
+        module = ModelParallelPairs(communication)
         with tempfile.TemporaryDirectory() as root:
             L.Trainer(accelerator="cpu", devices=world_size, max_epochs=EPOCHS, default_root_dir=root,
                       strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2), logger=False,
@@ -117,8 +124,14 @@ def reference() -> tuple[list[list[int]], list[float], dict[str, torch.Tensor]]:
 
 @pytest.mark.timeout(600)
 def test_model_parallel_strategy_trains_to_the_weights_of_one_process_without_group(pool) -> None:
-    per_rank = pool(4).run(fit_under_model_parallel, timeout=400)
+    fits = pool(4).run(fit_under_model_parallel, timeout=400)
     orders, losses, weights = reference()
+    for communication in ("gather", "ring"):
+        check_fit([fit[communication] for fit in fits], orders, losses, weights)
+
+
+def check_fit(per_rank: list[dict], orders: list[list[int]], losses: list[float],
+              weights: dict[str, torch.Tensor]) -> None:
     for first, second in ((0, 1), (2, 3)):  # a data-parallel rank's tensor-parallel ranks: the same batches and loss
         assert [entry[:3] for entry in per_rank[first]["seen"]] == [entry[:3] for entry in per_rank[second]["seen"]]
         assert [entry[3] for entry in per_rank[first]["seen"]] == pytest.approx(
@@ -134,3 +147,40 @@ def test_model_parallel_strategy_trains_to_the_weights_of_one_process_without_gr
     for record in per_rank:
         for name, expected in weights.items():
             assert relative_error(record["weights"][name], expected) <= 1e-10, name
+
+
+class StandInMesh:
+    """What data_parallel_group reads of a DeviceMesh: its dimensions' names, and slicing by them."""
+
+    def __init__(self, *names: str) -> None:
+        self.mesh_dim_names, self.ndim, self.shape = names, len(names), (2,) * len(names)
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> tuple[str, ...]:
+        return names if isinstance(names, tuple) else (names,)
+
+
+class NotLaunched:
+    @property
+    def device_mesh(self):
+        raise RuntimeError("Accessing the device mesh before processes have initialized is not allowed.")
+
+
+@pytest.mark.parametrize(("strategy", "expected"), [
+    (SimpleNamespace(), None),  # DDP, FSDPStrategy: no mesh, the world
+    (NotLaunched(), None),
+    (SimpleNamespace(device_mesh=StandInMesh("data_parallel", "tensor_parallel")), ("data_parallel",)),
+    (SimpleNamespace(device_mesh=StandInMesh("dp_replicate", "dp_shard", "tp")), ("dp_replicate", "dp_shard")),
+    (SimpleNamespace(device_mesh=StandInMesh("pp", "dp", "cp")), ("dp",)),
+])  # fmt: skip
+def test_the_data_parallel_dimensions_are_picked_by_name(strategy, expected) -> None:
+    from contrastive_dist.lightning import data_parallel_group
+
+    assert data_parallel_group(SimpleNamespace(strategy=strategy)) == expected
+
+
+def test_a_mesh_without_a_data_parallel_name_is_refused() -> None:
+    from contrastive_dist.lightning import data_parallel_group
+
+    trainer = SimpleNamespace(strategy=SimpleNamespace(device_mesh=StandInMesh("rows", "columns")))
+    with pytest.raises(ValueError, match=r"dimensions \('rows', 'columns'\), and none is named as data-parallel"):
+        data_parallel_group(trainer)
