@@ -113,7 +113,7 @@ def process_group(group: GroupLike) -> ProcessGroup | None:
     if isinstance(group, DeviceMesh):
         return _mesh_group(group)
     if isinstance(group, int) and not isinstance(group, bool) and group == dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not a member of the group it was "
+        raise ValueError(f"group: this process (global rank {get_rank()}) is not a member of the group it was "
                          "given: torch.distributed.new_group returned GroupMember.NON_GROUP_MEMBER here, on a rank "
                          "outside the group; call with a group that holds this rank")
     raise TypeError(f"group must be a torch.distributed.ProcessGroup, a DeviceMesh or None, got {type(group).__name__}")
