@@ -63,7 +63,7 @@ def data_per_rank(rank: int, world_size: int, shards: list[str]) -> dict:
 
 def test_sampler_and_streams_give_each_dp_rank_its_samples_once_and_tp_ranks_the_same(pool, tmp_path) -> None:
     shards, ids = write_shards(tmp_path, [4, 3, 5, 2, 6])
-    per_rank = pool(4).run(data_per_rank, shards)
+    per_rank = pool(4).run(data_per_rank, shards, timeout=180)  # the first mesh and webdataset imports
     assert per_rank[0] == per_rank[1] and per_rank[2] == per_rank[3]  # a dp rank's tp ranks: the same batches
     for epoch in range(2):
         steps = [per_rank[rank]["sampler"][epoch] for rank in (0, 2)]
@@ -122,7 +122,7 @@ def _copy_backward_error(world_size: int) -> float:
 
 
 def test_with_the_default_group_every_layer_works_over_the_data_parallel_ranks(pool) -> None:
-    for errors in pool(4).run(layers_over_the_default_group):
+    for errors in pool(4).run(layers_over_the_default_group, timeout=180):
         assert all(error <= 1e-12 for error in errors.values()), errors
 
 
@@ -159,7 +159,7 @@ def outside_the_group(rank: int, world_size: int) -> dict[str, str]:
 
 
 def test_a_rank_outside_the_group_is_told_so_by_every_entry_point(pool) -> None:
-    per_rank = pool(4).run(outside_the_group)
+    per_rank = pool(4).run(outside_the_group, timeout=180)
     assert per_rank[:2] == [{}, {}]
     for rank in (2, 3):
         assert len(per_rank[rank]) == 22

@@ -106,7 +106,7 @@ def dtensor_inputs(rank: int, world_size: int) -> dict[str, str]:
 
 
 def test_dtensor_features_are_taken_as_local_rows_when_replicated_and_refused_otherwise(pool) -> None:
-    per_rank = pool(4).run(dtensor_inputs)
+    per_rank = pool(4).run(dtensor_inputs, timeout=180)
     assert all(outcome == per_rank[0] for outcome in per_rank), per_rank  # the same error on every rank
     outcome = per_rank[0]
     assert outcome["replicated"] == outcome["rows over dp"] == "True"
@@ -168,7 +168,7 @@ def context_parallel_step(rank: int, world_size: int, sizes: tuple[int, ...]) ->
 
 def test_context_parallelism_gives_one_over_cp_of_the_encoder_gradient_unless_the_pooling_sums_it(pool) -> None:
     sizes = (3, 0)
-    per_rank = pool(4).run(context_parallel_step, sizes)
+    per_rank = pool(4).run(context_parallel_step, sizes, timeout=180)
     model = SequenceTowers()
     images, texts, scale = model(*sequences(sum(sizes)))
     clip_rows(images, texts, torch.tensor(scale), None, symmetric=True).mean().backward()
