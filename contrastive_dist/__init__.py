@@ -13,6 +13,7 @@ The package is layered, bottom to top (each layer imports only the ones below it
 
 import sys as _sys
 
+from contrastive_dist._dist import GroupLike, set_default_group
 from contrastive_dist.data import collate as _collate
 from contrastive_dist.data import sampler as _sampler
 from contrastive_dist.data import shards as _shards
@@ -94,6 +95,8 @@ __all__ = [
     "DistributedStreamingBatches",
     "EmptySafeCollate",
     "PeerFailureError",
+    "GroupLike",
+    "set_default_group",
 ]
 
 __version__ = "0.1.0"

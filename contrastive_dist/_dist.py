@@ -2,37 +2,165 @@
 
 Every public op reads rank and world size at call time through these helpers, so the
 same code runs unchanged in one plain process, in one process of a group, or in many.
+
+What ``group=`` accepts everywhere in the package (:data:`GroupLike`) is turned into a process
+group here, once per call, by :func:`process_group`: a ``ProcessGroup``; a ``DeviceMesh`` of one
+dimension (its group) or of several (its ranks flattened into one group, as
+``mesh["dp_replicate", "dp_shard"]`` for HSDP); or ``None``, the default group
+(:func:`set_default_group`, else the world). A process outside the group it is given gets a
+``ValueError`` naming the group and the process, never a bare failure inside a collective.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Union
+
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["is_distributed", "get_rank", "get_world_size", "start_offset"]
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "GroupLike",
+    "get_rank",
+    "get_world_size",
+    "is_distributed",
+    "process_group",
+    "set_default_group",
+    "start_offset",
+]
+
+GroupLike = Union[ProcessGroup, "DeviceMesh", None]
+"""What ``group=`` accepts: a ``ProcessGroup``, a ``DeviceMesh`` (1-D, or several dimensions flattened), or ``None``.
+
+``None`` is the default group: the one given to :func:`~contrastive_dist.set_default_group`, else the world.
+Under a data × tensor (× context) parallel mesh give the data-parallel part only, e.g. ``mesh["dp"]``:
+the other dimensions hold the same samples ([scale out][scale-out]).
+
+Example:
+    >>> import torch
+    >>> from contrastive_dist import GroupLike, info_nce
+    >>> def clip_loss(image: torch.Tensor, text: torch.Tensor, group: GroupLike = None) -> torch.Tensor:
+    ...     return info_nce(image, text, group=group)  # e.g. group=mesh["dp"] under tensor parallelism
+    >>> clip_loss(torch.eye(3), torch.eye(3)).shape
+    torch.Size([])
+"""
+
+_default: list[tuple[ProcessGroup, object]] = []
+"""The default group and the world it was set in (a process group made after a re-initialisation ends it)."""
 
 
-def is_distributed(group: ProcessGroup | None = None) -> bool:
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def set_default_group(group: GroupLike) -> None:
+    """Make ``group`` what ``group=None`` means in every call of the package in this process; ``None``: the world again.
+
+    For code that cannot pass ``group=`` everywhere (a model whose loss, BatchNorm and loaders are built
+    elsewhere, say): under a data × tensor parallel mesh, ``set_default_group(mesh["dp"])`` once on every
+    rank makes the losses, the gather, the queue, SyncBatchNorm, the gradient cache, the sampler and the
+    streams work over the data-parallel ranks. ``contrastive_dist.lightning``'s loaders do it for a trainer
+    whose strategy has a device mesh. Call it on every rank alike (a mesh of several dimensions is
+    flattened then, which every rank of the world joins). It lasts until it is set again or the process
+    group is destroyed.
+
+    Raises:
+        TypeError / ValueError: what :func:`process_group` raises for ``group``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_dist import all_gather, set_default_group
+        >>> set_default_group(None)  # one process: nothing to change
+        >>> all_gather(torch.ones(2, 3)).sizes
+        (2,)
+    """
+    _default.clear()
+    resolved = process_group(group)
+    if resolved is not None:
+        _default.append((resolved, dist.group.WORLD))
+
+
+def _default_group() -> ProcessGroup | None:
+    if not _default or not _initialized():
+        return None
+    group, world = _default[0]
+    return group if world is dist.group.WORLD else None
+
+
+def process_group(group: GroupLike) -> ProcessGroup | None:
+    """The process group that ``group`` names (``None``: the default group, see :func:`set_default_group`).
+
+    Raises:
+        TypeError: ``group`` is none of :data:`GroupLike`.
+        ValueError: this process is not one of the group's ranks (a ``DeviceMesh`` of several unnamed
+            dimensions, which cannot be flattened, too).
+
+    Example:
+        >>> process_group(None) is None  # one process, no default group: the world
+        True
+    """
+    if group is None:
+        return _default_group()
+    if isinstance(group, ProcessGroup):
+        if _initialized() and dist.get_rank(group) < 0:
+            raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not a member of the process "
+                             f"group {_describe(group)} it was given; call with a group that holds this rank")
+        return group
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        return _mesh_group(group)
+    if isinstance(group, int) and not isinstance(group, bool) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"group: this process (global rank {get_rank()}) is not a member of the group it was "
+                         "given: torch.distributed.new_group returned GroupMember.NON_GROUP_MEMBER here, on a rank "
+                         "outside the group; call with a group that holds this rank")
+    raise TypeError(f"group must be a torch.distributed.ProcessGroup, a DeviceMesh or None, got {type(group).__name__}")
+
+
+def _describe(group: ProcessGroup) -> str:
+    try:
+        return f"{group.group_name!r} (global ranks {dist.get_process_group_ranks(group)})"
+    except (RuntimeError, ValueError, KeyError):  # a group this rank holds no record of
+        return repr(group.group_name)
+
+
+def _mesh_group(mesh: DeviceMesh) -> ProcessGroup:
+    """A mesh's one group, or the group of all its ranks: its dimensions flattened, as HSDP's ``mesh._flatten()``."""
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not in the device mesh {mesh} "
+                         f"(global ranks {mesh.mesh.flatten().tolist()}) it was given; call with a mesh that holds "
+                         "this rank")
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if not mesh.mesh_dim_names:
+        raise ValueError(f"group: a DeviceMesh of {mesh.ndim} dimensions is flattened into one group by its "
+                         f"dimension names, and {mesh} has none; give it mesh_dim_names or pass a 1-D mesh")
+    # Flattened once per mesh: torch keeps the flattened mesh on the root mesh, so a later call looks it up.
+    return mesh._flatten().get_group()
+
+
+def is_distributed(group: GroupLike = None) -> bool:
     """Whether ``group`` spans more than one process.
 
     Without an initialised default process group this is ``False``, so callers fall back
     to the single-process (identity) behaviour.
     """
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    resolved = process_group(group)
+    return _initialized() and dist.get_world_size(resolved) > 1
 
 
-def get_rank(group: ProcessGroup | None = None) -> int:
+def get_rank(group: GroupLike = None) -> int:
     """Rank of this process within ``group`` (0 when not distributed)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0
-    return dist.get_rank(group)
+    resolved = process_group(group)
+    return dist.get_rank(resolved) if _initialized() else 0
 
 
-def get_world_size(group: ProcessGroup | None = None) -> int:
+def get_world_size(group: GroupLike = None) -> int:
     """Number of processes in ``group`` (1 when not distributed)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
+    resolved = process_group(group)
+    return dist.get_world_size(resolved) if _initialized() else 1
 
 
 def start_offset(sizes: tuple[int, ...], rank: int) -> int:

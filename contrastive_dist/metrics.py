@@ -7,9 +7,8 @@ from typing import cast
 
 import torch
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
-from contrastive_dist._dist import is_distributed
+from contrastive_dist._dist import GroupLike
 from contrastive_dist._validation import check_pair, collect
 from contrastive_dist.engine._agreement import agree
 from contrastive_dist.engine._wire import all_reduce
@@ -26,7 +25,7 @@ def retrieval_accuracy(
     text_features: Tensor,
     *,
     top_k: Sequence[int] = (1, 5),
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     sizes: Sequence[int] | None = None,
 ) -> dict[str, Tensor]:
     """Top-k image→text and text→image accuracy among all ``N`` pairs of the global batch.
@@ -41,7 +40,7 @@ def retrieval_accuracy(
         image_features: this rank's image embeddings.
         text_features: this rank's text embeddings, row ``i`` paired with image row ``i``.
         top_k: the ``k`` values to report, positive ints.
-        group: the process group, default the world ([group][option-group]).
+        group: a process group or a device mesh, default the world ([group][option-group]).
         sizes: every rank's batch size, if known: skips the size exchange ([sizes][option-sizes]).
 
     Returns:
@@ -77,8 +76,8 @@ def retrieval_accuracy(
             _hits(text_features, all_images, gathered.offset, ks),
         )
     )
-    if is_distributed(group):
-        all_reduce(hits, group, operation="retrieval_accuracy (sum of the hits)")
+    if layout.world_size > 1:
+        all_reduce(hits, layout.group, operation="retrieval_accuracy (sum of the hits)")
     accuracy = hits.to(torch.float64) / sum(gathered.sizes)
     names = [f"image_to_text_r{k}" for k in ks] + [f"text_to_image_r{k}" for k in ks]
     return {name: value.to(image_features.dtype) for name, value in zip(names, accuracy, strict=True)}

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 
+from contrastive_dist._dist import GroupLike
 from contrastive_dist.engine.gather import all_gather, raise_on_all_ranks
 from contrastive_dist.losses import SharedNegatives
 
@@ -39,7 +39,8 @@ class DistributedMemoryQueue(nn.Module):
         size: how many keys the queue holds (> 0).
         dim: the keys' width ``D`` (> 0).
         dtype: the dtype the keys are stored in (keys are cast to it).
-        group: the process group (default: the world).
+        group: the ranks that share the queue, a process group or a device mesh (default: the world;
+            [group][option-group]).
 
     Shape:
         enqueue's keys: ``(n_r, D)``; negatives.keys: ``(min(pushed, size), D)``.
@@ -64,7 +65,7 @@ class DistributedMemoryQueue(nn.Module):
     count: Tensor
 
     def __init__(
-        self, size: int, dim: int, *, dtype: torch.dtype = torch.float32, group: ProcessGroup | None = None
+        self, size: int, dim: int, *, dtype: torch.dtype = torch.float32, group: GroupLike = None
     ) -> None:
         super().__init__()
         for name, value in (("size", size), ("dim", dim)):

@@ -14,6 +14,11 @@ per-rank sizes, and held-out image→text / text→image recall at the end. Each
         --grad-cache 64                                     # activations of 64 rows at a time (grad_cache)
     torchrun --standalone --nproc-per-node 4 recipes/clip_torchrun.py --max-steps 600 --batch-size 32 \\
         --resume runs/clip_torchrun/version_0    # ... on 4 processes: the same global batch, the same batches
+
+Several machines: the same command on each, one c10d rendezvous (``recipes/exactness_torchrun.py`` first)::
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 \\
+        --rdzv-id clip recipes/clip_torchrun.py --batch-size 256
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ from doc_blocks import README, ROOT, pages, python_blocks, run_page
 PAGES_WITH_CODE = [page for page in pages() if python_blocks(page)]
 SCRIPT_TIMEOUT_S = 240
 HEADLESS = {**os.environ, "MPLBACKEND": "Agg"}
-IN_BACKGROUND = ("docs/guides/lightning.md", "docs/guides/torchrun.md", "docs/guides/coming-from.md")
+IN_BACKGROUND = ("docs/guides/lightning.md", "docs/guides/torchrun.md", "docs/guides/coming-from.md",
+                 "docs/guides/scale-out.md")
 """Pages whose scripts start processes that wait on each other for minutes if need be (Lightning's and
 torchrun's process groups): each runs whole as a background command (``tests/background.py``), on the
 CPU time the rest of the suite leaves. The testing pages bound their collectives at 60 s, which a

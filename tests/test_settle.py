@@ -26,9 +26,9 @@ from contrastive_dist.engine._wire import (
     all_gather_single,
     all_reduce,
     gather_rows,
-    gather_rows_with_status,
     reduce_scatter_rows,
 )
+from contrastive_dist.engine._wire_status import gather_rows_with_status
 from contrastive_dist.testing import WorkerPool
 
 _FREED: list[tuple[str, bool]] = []  # (thread name, a package call was running)

@@ -22,8 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed import ProcessGroup
-
+from contrastive_dist._dist import GroupLike
 from contrastive_dist.engine._agreement import agree
 
 __all__ = ["EpochPosition", "agree_on_start", "decode_position", "encode_position"]
@@ -105,7 +104,7 @@ def decode_position(state: object, *, seed: int, length: int, shuffle: bool) -> 
 
 
 def agree_on_start(position: EpochPosition, *, seed: int, length: int, shuffle: bool, batch_size: int,
-                   num_replicas: int, group: ProcessGroup | None) -> None:
+                   num_replicas: int, group: GroupLike) -> None:
     """Raise the same ``ValueError`` on every rank of ``group`` unless they all start the epoch at ``position``.
 
     Every rank calls it as its sampler's epoch starts; the order (``seed``, ``length``,

@@ -9,20 +9,11 @@ splits each global batch across ranks as evenly as possible. Every rank runs the
 steps; only the last step's per-rank sizes differ (some may be 0, which the losses of this
 package and :class:`~contrastive_dist.EmptySafeCollate` handle).
 
-Plain ``DataLoader`` under torchrun / DDP::
-
-    sampler = DistributedBatchSampler(dataset, batch_size=64, seed=0)   # rank and world from the group
-    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=EmptySafeCollate(dataset), num_workers=4)
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)                   # a new order each epoch, the same on every rank
-        for step, (images, texts) in enumerate(loader):
-            sizes = sampler.sizes(step)            # per-rank rows: all_gather(..., sizes=sizes) skips a collective
-            ...
-
-Lightning: ``contrastive_dist.lightning.distributed_loader`` builds the loader around this sampler
-from the trainer's rank and world size. Lightning calls ``set_epoch`` on ``loader.batch_sampler.sampler``,
-which is the sampler itself. A ``training_step`` must return a loss connected to the parameters even
-for a 0-row batch, or that rank skips the backward and the others wait for it forever.
+Use it as ``DataLoader(dataset, batch_sampler=sampler, collate_fn=EmptySafeCollate(dataset))``, call
+``sampler.set_epoch(epoch)`` each epoch, and pass ``sampler.sizes(step)`` to a loss as ``sizes=`` (the
+torchrun guide, ``docs/guides/torchrun.md``, has a whole loop); under Lightning,
+``contrastive_dist.lightning.distributed_loader`` builds that loader, and Lightning's ``set_epoch``
+reaches the sampler (``loader.batch_sampler.sampler`` is the sampler itself).
 
 Order: each epoch's order is a seeded bijection of ``[0, length)`` evaluated only at the positions a
 batch needs (:mod:`contrastive_dist.data._permutation`: a Feistel network with cycle walking), so the first
@@ -47,18 +38,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sized
 from typing import Any
 
-import torch
-from torch.distributed import ProcessGroup
 from torch.utils.data import Sampler
 
-from contrastive_dist._dist import get_rank, get_world_size, is_distributed, start_offset
+from contrastive_dist._dist import GroupLike, get_rank, get_world_size, is_distributed
+from contrastive_dist.data._epoch_grid import EpochGrid
 from contrastive_dist.data._permutation import Permutation
 from contrastive_dist.data._sampler_state import EpochPosition, agree_on_start, decode_position, encode_position
 
 __all__ = ["DistributedBatchSampler"]
-
-_WINDOW = 8192  # indices computed per call of the order: 64 KiB, a few milliseconds
-
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -91,11 +78,13 @@ class DistributedBatchSampler(Sampler[list[int]]):
         rank: this rank (default: the rank in ``group``, 0 without a process group).
         shuffle: a new random order each epoch; ``False`` keeps the natural order (evaluation).
         seed: seed of the order, any signed 64-bit int; must be the same on every rank.
-        group: process group the defaults are read from. A sampler that is this rank's share of it
-            (the defaults, or the same ``num_replicas`` and ``rank``) checks, at the first batch of
-            each epoch, that every rank starts the epoch at the same step of the same order: else
-            every rank raises the same ``ValueError`` (so every rank must iterate it, as a
-            ``DataLoader`` on every rank does).
+        group: the data-parallel ranks the defaults are read from, a process group or a device mesh
+            ([group][option-group]; under a data × tensor parallel mesh ``mesh["dp"]``: the
+            tensor-parallel ranks of a data-parallel rank get the same batches). A sampler that is
+            this rank's share of it (the defaults, or the same ``num_replicas`` and ``rank``) checks,
+            at the first batch of each epoch, that every rank starts the epoch at the same step of
+            the same order: else every rank raises the same ``ValueError`` (so every rank must
+            iterate it, as a ``DataLoader`` on every rank does).
 
     Shape:
         - each batch: a list of ``sizes(step)[rank]`` ints, ``0 <= size <= batch_size``.
@@ -135,7 +124,7 @@ class DistributedBatchSampler(Sampler[list[int]]):
         rank: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
-        group: ProcessGroup | None = None,
+        group: GroupLike = None,
     ) -> None:
         if isinstance(data_source_or_length, int) and not isinstance(data_source_or_length, bool):
             length = data_source_or_length
@@ -166,10 +155,8 @@ class DistributedBatchSampler(Sampler[list[int]]):
 
     def _restart(self) -> None:
         """Plan a fresh epoch: step ``s`` takes positions ``[s*G, (s+1)*G)`` of the order."""
-        # The epoch's steps from _first_step on take the order's positions from _first_position on.
         # A state saved on another global batch size resumes off this grid, at its own (step, position).
-        self._first_step = 0
-        self._first_position = 0
+        self._grid = EpochGrid(self.length, self.batch_size, self.num_replicas)
         # The step the next iteration starts at, and the steps of the epoch handed out by the latest iterator.
         # Every fresh iteration resets them, so that a loader that stopped after len() batches (without
         # exhausting us) still gets a full next epoch.
@@ -181,7 +168,7 @@ class DistributedBatchSampler(Sampler[list[int]]):
     @property
     def global_batch_size(self) -> int:
         """Samples per step over all ranks (the last step may hold fewer)."""
-        return self.batch_size * self.num_replicas
+        return self._grid.global_batch_size
 
     @property
     def sampler(self) -> DistributedBatchSampler:
@@ -195,7 +182,7 @@ class DistributedBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         """Steps of the current epoch; a resumed epoch counts those done before the resume too."""
-        return self._first_step - (-(self.length - self._first_position) // self.global_batch_size)
+        return self._grid.steps()
 
     def set_epoch(self, epoch: int) -> None:
         """Use the permutation of ``epoch`` from the next iteration on (read at its first batch).
@@ -208,37 +195,13 @@ class DistributedBatchSampler(Sampler[list[int]]):
             self._restart()
         self.epoch = epoch
 
-    def _position(self, step: int) -> int:
-        """Position in the epoch's order of the first sample of ``step``."""
-        return self._first_position + (step - self._first_step) * self.global_batch_size
-
     def sizes(self, step: int) -> tuple[int, ...]:
         """Return the number of samples each rank gets at ``step``; the same on every rank.
 
         Pass it as ``all_gather(x, sizes=sampler.sizes(step))`` to skip the size exchange. In an
         epoch resumed on another global batch size, the steps before the resume are not known.
         """
-        if isinstance(step, bool) or not isinstance(step, int) or not self._first_step <= step < len(self):
-            resumed = f" (this epoch resumed at step {self._first_step})" if self._first_step else ""
-            raise ValueError(f"step must be an int in [{self._first_step}, {len(self)}){resumed}, got {step!r}")
-        global_size = min(self.global_batch_size, self.length - self._position(step))
-        share, extra = divmod(global_size, self.num_replicas)
-        return tuple(share + 1 if rank < extra else share for rank in range(self.num_replicas))
-
-    def _rows(self, order: Permutation | None, step: int) -> list[list[int]]:
-        """Return this rank's batches from ``step`` on, as many as fill a window of about ``_WINDOW`` indices.
-
-        One call of the order per window, not per batch: each call costs a few hundred small tensor
-        operations whatever its size, which would dominate batches of a few samples.
-        """
-        sizes = self.sizes(step)
-        first = self._position(step) + start_offset(sizes, self.rank)
-        full_end = self._first_step + (self.length - self._first_position) // self.global_batch_size
-        # Full steps give every rank batch_size samples at the same offset: a (steps, batch_size) grid.
-        count = min(full_end - step, max(1, _WINDOW // self.batch_size)) if step < full_end else 1
-        positions = first + torch.arange(sizes[self.rank], dtype=torch.int64)
-        positions = positions + self.global_batch_size * torch.arange(count, dtype=torch.int64)[:, None]
-        return (positions if order is None else order(positions)).tolist()
+        return self._grid.sizes(step)
 
     def __iter__(self) -> Iterator[list[int]]:
         if not self._pending:
@@ -253,7 +216,7 @@ class DistributedBatchSampler(Sampler[list[int]]):
             self._restart()
         self._pending = False
         if self._spans_group():  # ranks that start elsewhere would run misaligned steps: the same error on each
-            agree_on_start(EpochPosition(self.epoch, self._start, min(self._position(self._start), self.length)),
+            agree_on_start(EpochPosition(self.epoch, self._start, min(self._grid.position(self._start), self.length)),
                            seed=self.seed,
                            length=self.length, shuffle=self.shuffle, batch_size=self.batch_size,
                            num_replicas=self.num_replicas, group=self.group)
@@ -261,7 +224,7 @@ class DistributedBatchSampler(Sampler[list[int]]):
         step = self._start
         self._step = step
         while step < len(self):
-            for batch in self._rows(order, step):
+            for batch in self._grid.rows(order, step, self.rank):
                 # Counted before the yield: once the caller holds batch `step`, `step + 1` are done.
                 step += 1
                 self._step = step
@@ -283,9 +246,9 @@ class DistributedBatchSampler(Sampler[list[int]]):
         """
         if step is None:
             step = self._step
-        elif isinstance(step, bool) or not isinstance(step, int) or not self._first_step <= step <= len(self):
-            raise ValueError(f"step must be an int in [{self._first_step}, {len(self)}], got {step!r}")
-        position = EpochPosition(self.epoch, step, min(self._position(step), self.length))
+        elif isinstance(step, bool) or not isinstance(step, int) or not self._grid.first_step <= step <= len(self):
+            raise ValueError(f"step must be an int in [{self._grid.first_step}, {len(self)}], got {step!r}")
+        position = EpochPosition(self.epoch, step, min(self._grid.position(step), self.length))
         return encode_position(position, seed=self.seed, length=self.length, shuffle=self.shuffle,
                                batch_size=self.batch_size, num_replicas=self.num_replicas)
 
@@ -299,13 +262,6 @@ class DistributedBatchSampler(Sampler[list[int]]):
         position = decode_position(state_dict, seed=self.seed, length=self.length, shuffle=self.shuffle)
         self._restart()
         self.epoch = position.epoch
-        if position.consumed == self.length:
-            # Nothing is left of the epoch, whatever layout took it: the end of a plain epoch of this one.
-            self._start = self._step = len(self)
-        elif position.consumed == position.step * self.global_batch_size:
-            # On this sampler's own grid (the same global batch size, say): a plain epoch at that step.
-            self._start = self._step = position.step
-        else:
-            self._first_step, self._first_position = position.step, position.consumed
-            self._start = self._step = position.step
+        self._grid, self._start = self._grid.resume(position)
+        self._step = self._start
         self._pending = True

@@ -32,10 +32,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.distributed import ProcessGroup
 from torch.utils.data import IterableDataset, get_worker_info
 
-from contrastive_dist._dist import get_rank, get_world_size
+from contrastive_dist._dist import GroupLike, get_rank, get_world_size
 from contrastive_dist.data._permutation import Permutation
 from contrastive_dist.data._shard_pipeline import ShardPipeline
 from contrastive_dist.data._shard_progress import EpochShards, decode_progress, encode_progress
@@ -58,7 +57,8 @@ class DistributedShardList(IterableDataset):
         seed: seed of the shard order, any signed 64-bit int; the same on every rank.
         num_replicas: number of ranks (default: the size of ``group``, 1 without a process group).
         rank: this rank (default: the rank in ``group``, 0 without a process group).
-        group: process group the defaults are read from.
+        group: the data-parallel ranks, a process group or a device mesh, the defaults are read from
+            ([group][option-group]).
 
     Example:
         >>> shards = DistributedShardList([f"data-{i:03d}.tar" for i in range(5)], shuffle=False,
@@ -83,7 +83,7 @@ class DistributedShardList(IterableDataset):
         seed: int = 0,
         num_replicas: int | None = None,
         rank: int | None = None,
-        group: ProcessGroup | None = None,
+        group: GroupLike = None,
     ) -> None:
         super().__init__()
         if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence):

@@ -37,9 +37,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from torch.distributed import ProcessGroup
-
-from contrastive_dist._dist import get_world_size, is_distributed
+from contrastive_dist._dist import GroupLike, get_world_size, is_distributed, process_group
 from contrastive_dist.data._shard_pipeline import track_positions
 from contrastive_dist.data._shard_progress import EpochShards
 from contrastive_dist.data._shard_reader import ON_ERROR
@@ -82,7 +80,8 @@ class DistributedStreamingBatches:
         count_rows: rows of a batch (default: the leading size of its first tensor).
         caller_prefetch: batches the caller fetches ahead of the step it is on (Lightning: 1);
             the state counts them as not consumed until the epoch is over.
-        group: the process group of the training (default: the world).
+        group: the data-parallel ranks of the training, a process group or a device mesh (default: the
+            world; [group][option-group]).
 
     Shape:
         - ``sizes(step)``: a tuple of ``world_size`` ints, the rows each rank holds at ``step``.
@@ -110,7 +109,7 @@ class DistributedStreamingBatches:
         lookahead: int = 1,
         count_rows: Callable[[Any], int] = count_rows,
         caller_prefetch: int = 0,
-        group: ProcessGroup | None = None,
+        group: GroupLike = None,
     ) -> None:
         if not isinstance(loader, Iterable):
             raise TypeError(f"loader must be iterable (e.g. a DataLoader), got {type(loader).__name__}")
@@ -180,7 +179,8 @@ class DistributedStreamingBatches:
         return self._steps()
 
     def _steps(self) -> Iterator[Any]:
-        world_size, device = get_world_size(self.group), control_device(self.group)
+        group = process_group(self.group)  # a mesh too: resolved once an epoch
+        world_size, device = get_world_size(group), control_device(group)
         resume, finished = self._pending, self._pending and self._finished
         if not resume:
             self._restart()
@@ -189,9 +189,9 @@ class DistributedStreamingBatches:
         shards = self.pipeline.shard_list.begin_epoch(workers, resume=resume) if self.pipeline is not None else None
         start = self.pipeline.shard_list.state_dict() if self.pipeline is not None and resume else None
         on_error = self.pipeline.on_error if self.pipeline is not None else "raise"
-        if is_distributed(self.group):
+        if is_distributed(group):
             check_start(StartRow(self.lookahead, self.epoch, max(1, workers), ON_ERROR.index(on_error),
-                                 self._first_step, progress_digest(start)), world_size, device, self.group)
+                                 self._first_step, progress_digest(start)), world_size, device, group)
         local: Iterator[Any] | None = iter(()) if finished else None  # started at the first fetch
         buffered: deque[tuple[Any, list[int]]] = deque()
         unapplied: deque[list[list[int]]] = deque()
@@ -209,12 +209,12 @@ class DistributedStreamingBatches:
             except Exception as error:  # noqa: BLE001 - any exception of the loader, to every rank below
                 failure = error
             row = WindowRow.encode([fields for _, fields in buffered], self.lookahead, failed=failure is not None)
-            table = [WindowRow(values) for values in gather_rows(row, world_size, device, self.group)]
+            table = [WindowRow(values) for values in gather_rows(row, world_size, device, group)]
             if any(rank_row.failed for rank_row in table):
                 stop_workers(local)  # now: the error raised next holds the loader's frames, and its workers, alive
                 local = None
                 raise_failure(table, failure, step=step, epoch=self.epoch, world_size=world_size, device=device,
-                              group=self.group)
+                              group=group)
             window = max(rank_row.held for rank_row in table)
             for offset in range(window):
                 self._sizes[step] = tuple(rank_row.rows(offset) for rank_row in table)

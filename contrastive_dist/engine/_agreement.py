@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist._dist import get_rank, get_world_size, start_offset
+from contrastive_dist._dist import GroupLike, get_rank, get_world_size, process_group, start_offset
 from contrastive_dist._validation import Problem, sizes_problem
 from contrastive_dist.engine._faults import naming_peers
 from contrastive_dist.engine._wire import all_gather_single
@@ -186,7 +186,7 @@ def agree(
     tensors: Sequence[object],
     *,
     problem: Problem | None,
-    group: ProcessGroup | None,
+    group: GroupLike,
     operation: str = "all_gather",
     dim: int = 0,
     options: Mapping[str, object] | None = None,
@@ -202,7 +202,7 @@ def agree(
     Args:
         tensors: what this rank passes (rows along ``dim`` counted from the first); described in errors.
         problem: what this rank found wrong with its own input, or ``None``.
-        group: the process group.
+        group: the group (a mesh too), resolved here once: the layout holds its process group.
         operation: the public name of the call, for messages (``"info_nce"``, ``"all_gather"``).
         dim: the dimension rows are counted along.
         options: the call's options that must be the same on every rank (numbers, strings, flags).
@@ -216,6 +216,7 @@ def agree(
             match across ranks (``False``: inputs that may legitimately differ, such as token
             batches padded per rank).
     """
+    group = process_group(group)
     world_size, rank = get_world_size(group), get_rank(group)
     if problem is None and sizes is not None:
         problem = sizes_problem(sizes, world_size)

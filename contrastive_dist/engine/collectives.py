@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
-from contrastive_dist._dist import get_rank, get_world_size
+from contrastive_dist._dist import GroupLike, get_rank, get_world_size, process_group
 from contrastive_dist.engine._wire import all_reduce
 from contrastive_dist.engine.gather import all_gather
 
@@ -105,7 +105,7 @@ class _GatherFromGroup(torch.autograd.Function):
         return grad.narrow(ctx.dim, ctx.start, ctx.length).contiguous(), None, None
 
 
-def copy_to_group(x: Tensor, *, group: ProcessGroup | None = None) -> Tensor:
+def copy_to_group(x: Tensor, *, group: GroupLike = None) -> Tensor:
     """Identity forward; all-reduce (SUM) of the gradient in backward.
 
     Put it where a replicated tensor enters rank-specific computation (e.g. before a
@@ -120,12 +120,10 @@ def copy_to_group(x: Tensor, *, group: ProcessGroup | None = None) -> Tensor:
         >>> copy_to_group(torch.ones(2, 3)).shape
         torch.Size([2, 3])
     """
-    if get_world_size(group) == 1:
-        return x
-    return _CopyToGroup.apply(x, group)
+    return _across(_CopyToGroup, x, group=group)
 
 
-def reduce_from_group(x: Tensor, *, group: ProcessGroup | None = None) -> Tensor:
+def reduce_from_group(x: Tensor, *, group: GroupLike = None) -> Tensor:
     """All-reduce (SUM) forward; identity backward — the mirror of :func:`copy_to_group`.
 
     Shape:
@@ -137,12 +135,10 @@ def reduce_from_group(x: Tensor, *, group: ProcessGroup | None = None) -> Tensor
         >>> reduce_from_group(torch.ones(2)).tolist()  # one process: identity
         [1.0, 1.0]
     """
-    if get_world_size(group) == 1:
-        return x
-    return _ReduceFromGroup.apply(x, group)
+    return _across(_ReduceFromGroup, x, group=group)
 
 
-def scatter_to_group(x: Tensor, dim: int = -1, *, group: ProcessGroup | None = None) -> Tensor:
+def scatter_to_group(x: Tensor, dim: int = -1, *, group: GroupLike = None) -> Tensor:
     """Keep this rank's ``tensor_split`` slice of ``x`` along ``dim``; backward gathers the slices.
 
     ``x`` must be the same on every rank of the group (replicated).
@@ -157,14 +153,10 @@ def scatter_to_group(x: Tensor, dim: int = -1, *, group: ProcessGroup | None = N
         [0, 1, 2, 3, 4]
     """
     dim = _check_dim(x, dim)
-    if get_world_size(group) == 1:
-        return x
-    return _ScatterToGroup.apply(x, dim, group)
+    return _across(_ScatterToGroup, x, dim, group=group)
 
 
-def gather_from_group(
-    x: Tensor, dim: int = -1, *, group: ProcessGroup | None = None
-) -> Tensor:
+def gather_from_group(x: Tensor, dim: int = -1, *, group: GroupLike = None) -> Tensor:
     """Concatenate every rank's slice along ``dim``; backward keeps this rank's slice.
 
     The inverse of :func:`scatter_to_group`; slices may differ in length (any lengths, not
@@ -180,9 +172,15 @@ def gather_from_group(
         [0, 1, 2]
     """
     dim = _check_dim(x, dim)
-    if get_world_size(group) == 1:
+    return _across(_GatherFromGroup, x, dim, group=group)
+
+
+def _across(function: type[torch.autograd.Function], x: Tensor, *args: object, group: GroupLike) -> Tensor:
+    """``function`` applied over the ranks of ``group`` (resolved here once); the identity on one rank."""
+    resolved = process_group(group)
+    if get_world_size(resolved) == 1:
         return x
-    return _GatherFromGroup.apply(x, dim, group)
+    return function.apply(x, *args, resolved)
 
 
 def _check_dim(x: Tensor, dim: int) -> int:

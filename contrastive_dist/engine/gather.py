@@ -17,25 +17,18 @@ error on every rank instead of hanging or aborting the transport. Pass ``sizes=`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple, NoReturn
+from typing import NamedTuple, NoReturn
 
 import torch
-from einops import rearrange, unpack
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
-from contrastive_dist._dist import get_rank, get_world_size, start_offset
-from contrastive_dist._validation import sizes_problem
+from contrastive_dist._dist import GroupLike, get_rank, get_world_size, process_group, start_offset
+from contrastive_dist._dtensor_inputs import as_local
+from contrastive_dist._validation import collect, sizes_problem
 from contrastive_dist.engine._agreement import Layout, agree, debug_checks, local_problem
 from contrastive_dist.engine._compiled import gather_compiled
-from contrastive_dist.engine._wire import (
-    STATUS_BAD_ROWS,
-    STATUS_OK,
-    STATUS_OK_WITH_GRAD,
-    gather_rows,
-    gather_rows_with_status,
-    reduce_scatter_rows,
-)
+from contrastive_dist.engine._gather_rows import gather_eager
+from contrastive_dist.engine._wire_status import STATUS_BAD_ROWS
 
 __all__ = ["Gathered", "GatheredMany", "all_gather", "all_gather_many", "gather_agreed", "raise_on_all_ranks"]
 
@@ -98,39 +91,11 @@ class GatheredMany(NamedTuple):
         return start_offset(self.sizes, self.rank)
 
 
-class _GatherRows(torch.autograd.Function):
-    """All-gather along dim 0 whose backward is the matching reduce-scatter (SUM)."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: Tensor,
-        sizes: tuple[int, ...],
-        rank: int,
-        group: ProcessGroup | None,
-        statuses: list[int] | None,
-    ) -> Tensor:
-        ctx.sizes, ctx.rank, ctx.group = sizes, rank, group
-        if statuses is None:
-            return gather_rows(x, sizes, rank, group)
-        # Caller-given sizes: ``statuses`` holds this rank's status code on the way in and every
-        # rank's on the way out (carried by the same transfers), so the caller can check them.
-        gathered, statuses[:] = gather_rows_with_status(x, sizes, rank, group, statuses[0])
-        return gathered
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        # The reduce-scatter is a raw collective autograd cannot differentiate again; marking
-        # the backward makes ``create_graph=True`` raise instead of returning wrong results.
-        return reduce_scatter_rows(grad, ctx.sizes, ctx.rank, ctx.group), None, None, None, None
-
-
 def all_gather(
     x: Tensor,
     dim: int = 0,
     *,
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     sizes: Sequence[int] | None = None,
 ) -> Gathered:
     """Gather ``x`` from every rank along ``dim``; sizes along ``dim`` may differ, even be 0.
@@ -138,7 +103,7 @@ def all_gather(
     Args:
         x: this rank's tensor. Every dimension except ``dim``, and the dtype, must match across ranks.
         dim: the dimension to gather along (negative values count from the end).
-        group: the process group, default the world ([group][option-group]).
+        group: a process group or a device mesh, default the world ([group][option-group]).
         sizes: every rank's size along ``dim``, the same sequence on every rank, if already known:
             skips the size exchange; dtype and trailing shape must then match as promised, and
             ``sizes=`` that differ between ranks abort or hang the transport unless
@@ -171,7 +136,7 @@ def all_gather_many(
     tensors: Sequence[Tensor],
     dim: int = 0,
     *,
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     sizes: Sequence[int] | None = None,
 ) -> GatheredMany:
     """Gather several tensors with the same size along ``dim`` in one collective.
@@ -190,9 +155,12 @@ def all_gather_many(
     """
     if isinstance(tensors, Tensor):
         raise TypeError("all_gather_many expects a sequence of tensors; use all_gather for one tensor")
-    tensors = tuple(tensors)
+    group = process_group(group)
+    local_tensors, dtensor_problem = collect(lambda: as_local(tuple(tensors), group))  # DTensors: this rank's rows
+    tensors = tuple(tensors) if local_tensors is None else local_tensors
     world_size, rank = get_world_size(group), get_rank(group)
-    problem = local_problem(tensors, dim) or (None if sizes is None else sizes_problem(sizes, world_size))
+    problem = dtensor_problem or local_problem(tensors, dim)
+    problem = problem or (None if sizes is None else sizes_problem(sizes, world_size))
     if world_size == 1 or torch.compiler.is_compiling() or sizes is None or debug_checks():
         # The agreement exchange (nothing is exchanged for one rank or under torch.compile, where
         # given sizes are trusted); CONTRASTIVE_DIST_DEBUG=1 runs it for caller-given sizes too.
@@ -203,7 +171,7 @@ def all_gather_many(
         # in their collective. (Validate inputs before promising sizes.)
         raise problem[0](f"all_gather: {problem[1]}")
     known_sizes = tuple(sizes)
-    gathered, statuses = _gather_eager(tensors, dim, known_sizes, rank, group, check_rows=True)
+    gathered, statuses = gather_eager(tensors, dim, known_sizes, rank, group, check_rows=True)
     if STATUS_BAD_ROWS in statuses or len(set(statuses)) > 1:
         # Every rank learnt it from the statuses: they all join one exchange that raises everywhere.
         local = tensors[0].shape[dim]
@@ -226,11 +194,11 @@ def gather_agreed(tensors: Sequence[Tensor], layout: Layout, dim: int = 0) -> Ga
     if torch.compiler.is_compiling():
         gathered = gather_compiled(tensors, dim, layout.sizes, layout.rank, layout.group)
         return GatheredMany(gathered, layout.sizes, layout.rank)
-    gathered, _ = _gather_eager(tensors, dim, layout.sizes, layout.rank, layout.group, check_rows=False)
+    gathered, _ = gather_eager(tensors, dim, layout.sizes, layout.rank, layout.group, check_rows=False)
     return GatheredMany(gathered, layout.sizes, layout.rank)
 
 
-def raise_on_all_ranks(error: Exception, tensors: Sequence[object], *, group: ProcessGroup | None = None) -> NoReturn:
+def raise_on_all_ranks(error: Exception, tensors: Sequence[object], *, group: GroupLike = None) -> NoReturn:
     """Raise ``error``, found on this rank only, on every rank instead of leaving the others waiting.
 
     For code whose other ranks are entering :func:`~contrastive_dist.engine._agreement.agree` (the
@@ -239,65 +207,3 @@ def raise_on_all_ranks(error: Exception, tensors: Sequence[object], *, group: Pr
     """
     agree(tensors, problem=(type(error), str(error)), group=group)
     raise error  # not reached: the agreement raises on every rank when any rank has a problem
-
-
-def _gather_eager(
-    tensors: tuple[Tensor, ...],
-    dim: int,
-    sizes: tuple[int, ...],
-    rank: int,
-    group: ProcessGroup | None,
-    *,
-    check_rows: bool,
-) -> tuple[tuple[Tensor, ...], list[int]]:
-    """One collective per dtype.
-
-    With ``check_rows`` (caller-given sizes) each collective also carries every rank's status:
-    whether its row count matches ``sizes`` and whether autograd tracks its rows. Returns the
-    gathered tensors and the statuses (stopping at the first collective where they disagree).
-    """
-    rows = [tensor.movedim(dim, 0) for tensor in tensors]
-    results: list[Tensor] = list(rows)
-    statuses: list[int] = []
-    rows_match = rows[0].shape[0] == sizes[rank]
-    for indices in _indices_by_dtype(rows):
-        members = [rows[i] for i in indices]
-        packed = _pack(members)
-        exchange: list[int] | None = None
-        if check_rows:
-            tracked = torch.is_grad_enabled() and any(member.requires_grad for member in members)
-            code = STATUS_OK_WITH_GRAD if tracked else STATUS_OK
-            exchange = [code if rows_match else STATUS_BAD_ROWS]
-        gathered = _GatherRows.apply(packed, sizes, rank, group, exchange)
-        if exchange is not None:
-            statuses = exchange
-            if STATUS_BAD_ROWS in statuses or len(set(statuses)) > 1:
-                return tuple(results), statuses  # the caller raises on every rank
-        for index, piece in zip(indices, _unpack(gathered, members)):
-            results[index] = piece.movedim(0, dim)
-    return tuple(results), statuses
-
-
-def _indices_by_dtype(rows: list[Tensor]) -> list[list[int]]:
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for index, row in enumerate(rows):
-        by_dtype.setdefault(row.dtype, []).append(index)
-    return list(by_dtype.values())
-
-
-def _pack(members: list[Tensor]) -> Tensor:
-    """One ``(n, Σ row_numel)`` buffer for tensors of one dtype (the tensor itself if alone).
-
-    Not ``einops.pack``: it flattens with a ``-1``, which torch cannot resolve for an empty
-    rank's ``(0, ...)`` rows; naming the flattened axes always works.
-    """
-    if len(members) == 1:
-        return members[0]
-    return torch.cat([rearrange(member, "n ... -> n (...)") for member in members], dim=1)
-
-
-def _unpack(gathered: Tensor, members: list[Tensor]) -> list[Tensor]:
-    """Inverse of :func:`_pack` on the gathered rows (views, no copy)."""
-    if len(members) == 1:
-        return [gathered]
-    return unpack(gathered, [member.shape[1:] for member in members], "n *")

@@ -22,6 +22,13 @@ Three functions, nothing to subclass:
   loader, to pass to a loss as ``sizes=`` so that it skips its size exchange: the training step is
   the same for map-style and streamed data.
 
+Under ``ModelParallelStrategy`` (and any strategy with a device mesh) the loaders split the data over
+the mesh's data-parallel ranks only, so that the tensor-parallel ranks of a data-parallel rank get the
+same batches, and make that part of the mesh the package's default group
+(:func:`~contrastive_dist.set_default_group`): a loss, SyncBatchNorm, queue or gradient cache called
+without ``group=`` gathers over it (:func:`data_parallel_group`; [scale out][scale-out]). DDP and
+``FSDPStrategy`` use the world.
+
 Pass ``Trainer(use_distributed_sampler=False)``: left on, Lightning would rebuild the loader around
 its own ``DistributedSampler``; :func:`distributed_loader` raises a ``ValueError`` that says so.
 The ``training_step`` must return a loss connected to the parameters on a rank whose batch is
@@ -54,23 +61,10 @@ from contrastive_dist.data.collate import EmptySafeCollate
 from contrastive_dist.data.sampler import DistributedBatchSampler
 from contrastive_dist.data.shards import DistributedShardList
 from contrastive_dist.data.streaming import DistributedStreamingBatches
+from contrastive_dist.lightning._placement import check_trainer, data_parallel_group, placement
+from contrastive_dist.lightning._step_sizes import step_sizes
 
-__all__ = ["distributed_loader", "step_sizes", "streaming_loader"]
-
-
-def _rebuilds_loaders(trainer: Any) -> bool:
-    # Lightning keeps the flag on its accelerator connector; a trainer-like object without one
-    # (or a future Lightning that moved it) is given the benefit of the doubt.
-    connector = getattr(trainer, "_accelerator_connector", None)
-    return bool(getattr(connector, "use_distributed_sampler", False)) and trainer.world_size > 1
-
-
-def _check_trainer(trainer: Any, builder: str) -> None:
-    if trainer is not None and _rebuilds_loaders(trainer):
-        raise ValueError(
-            "this Trainer was built with use_distributed_sampler=True, so Lightning would replace the "
-            f"drop-last-free sampler of {builder} with its own; pass Trainer(..., use_distributed_sampler=False)"
-        )
+__all__ = ["data_parallel_group", "distributed_loader", "step_sizes", "streaming_loader"]
 
 
 def distributed_loader(
@@ -93,8 +87,8 @@ def distributed_loader(
 
     Args:
         dataset: a map-style dataset (``len()`` and ``dataset[i]``) with at least one sample.
-        trainer: the ``lightning.Trainer`` (rank and world size are read from it), or ``None``
-            to read them from the default process group (one process without one).
+        trainer: the ``lightning.Trainer`` (rank and world size are read from it: under a device mesh, the
+            data-parallel ones), or ``None`` to read them from the default group (one process without one).
         batch_size: samples per rank per step; a step's global batch is ``batch_size × world size``.
         shuffle: a new order each epoch (training); ``False`` splits the natural order across the
             ranks with nothing repeated or dropped (exact evaluation).
@@ -130,13 +124,14 @@ def distributed_loader(
     for name in ("batch_sampler", "sampler", "batch_size", "shuffle", "drop_last"):
         if name in loader_options:
             raise TypeError(f"distributed_loader sets {name!r} itself; got it in loader_options")
-    _check_trainer(trainer, "distributed_loader")
+    check_trainer(trainer, "distributed_loader")
     try:
         length = len(dataset)
     except TypeError as error:
         raise TypeError(f"dataset must be map-style with len(), got {type(dataset).__name__}") from error
-    placement = {} if trainer is None else {"num_replicas": trainer.world_size, "rank": trainer.global_rank}
-    sampler = DistributedBatchSampler(length, batch_size, shuffle=shuffle, seed=seed, **placement)
+    num_replicas, rank = placement(trainer)
+    sampler = DistributedBatchSampler(length, batch_size, shuffle=shuffle, seed=seed, num_replicas=num_replicas,
+                                      rank=rank)
     loader_options.setdefault("persistent_workers", num_workers > 0)
     return ResumableLoader(
         dataset,
@@ -176,8 +171,8 @@ def streaming_loader(
 
     Args:
         shards: the shard names or URLs of the whole dataset, the same list on every rank.
-        trainer: the ``lightning.Trainer`` (rank and world size are read from it), or ``None``
-            to read them from the default process group (one process without one).
+        trainer: the ``lightning.Trainer`` (rank and world size are read from it: under a device mesh, the
+            data-parallel ones), or ``None`` to read them from the default group (one process without one).
         *stages: webdataset pipeline stages after the shard list (``wds.tarfile_to_samples()``,
             ``wds.decode(...)``, ``wds.map(...)``, ...); picklable when ``num_workers > 0``. The
             first reads shards into samples that name their shard in ``__url__``; stages that hold
@@ -227,9 +222,9 @@ def streaming_loader(
     for name in ("batch_sampler", "sampler", "batch_size", "shuffle", "drop_last", "persistent_workers"):
         if name in loader_options:
             raise TypeError(f"streaming_loader sets {name!r} itself; got it in loader_options")
-    _check_trainer(trainer, "streaming_loader")
-    placement = {} if trainer is None else {"num_replicas": trainer.world_size, "rank": trainer.global_rank}
-    shard_list = DistributedShardList(shards, shuffle=shuffle, seed=seed, **placement)
+    check_trainer(trainer, "streaming_loader")
+    num_replicas, rank = placement(trainer)
+    shard_list = DistributedShardList(shards, shuffle=shuffle, seed=seed, num_replicas=num_replicas, rank=rank)
     try:
         collate = EmptySafeCollate([example], collate_fn)
     except Exception as error:  # checked here, on every rank, rather than at a rank's first empty step
@@ -248,61 +243,3 @@ def streaming_loader(
     )
     # Lightning fetches one batch ahead of the step it trains on (it has no length to stop at).
     return DistributedStreamingBatches(loader, lookahead=lookahead, caller_prefetch=0 if trainer is None else 1)
-
-
-_NOT_RESTORED = (
-    " (a run resumed from a checkpoint whose loader was never given its saved position: Lightning builds the "
-    "train loader before it restores a checkpoint when configure_optimizers reads trainer.estimated_stepping_"
-    "batches with max_epochs set, and then skips the loader's state, Lightning issue #20550; compute the "
-    "schedule's length without it)"
-)
-
-
-def step_sizes(trainer: Any, batch_idx: int) -> tuple[int, ...]:
-    """The per-rank batch sizes of training step ``batch_idx``; the same tuple on every rank.
-
-    ``batch_idx`` is the one Lightning passes to ``training_step``; it counts steps within the
-    epoch and continues where a resumed checkpoint left off, as the loader does. Pass the result to
-    a loss as ``sizes=`` to skip its size exchange.
-
-    Args:
-        trainer: a ``lightning.Trainer`` whose training loader came from :func:`distributed_loader`
-            or :func:`streaming_loader` (or is a :class:`~contrastive_dist.DistributedStreamingBatches`,
-            or has a :class:`~contrastive_dist.DistributedBatchSampler` as ``batch_sampler``).
-        batch_idx: the step within the current epoch.
-
-    Raises:
-        TypeError: the training loader is none of these.
-        ValueError: ``batch_idx`` is not a step of the epoch (for a stream: not one of its recent steps), or
-            not the step of the loader's batch (a resumed loader whose state Lightning did not restore).
-
-    Example:
-        In a ``LightningModule``: ``loss = self.loss(image, text, scale, sizes=step_sizes(self.trainer,
-        batch_idx))``. Here with a stand-in for the trainer, which is only asked for its loader:
-
-        >>> from types import SimpleNamespace
-        >>> loader = distributed_loader(list(range(10)), None, batch_size=4)
-        >>> step_sizes(SimpleNamespace(train_dataloader=loader), 2)
-        (2,)
-
-    """
-    loader = trainer.train_dataloader
-    if isinstance(loader, DistributedStreamingBatches):
-        # Known once the ranks agreed on the step; Lightning fetches one batch ahead, kept too. A resumed
-        # stream numbers its steps on from the checkpoint's, as Lightning's batch_idx does.
-        try:
-            return loader.sizes(batch_idx)
-        except ValueError as error:
-            raise ValueError(f"{error}{_NOT_RESTORED}") from error
-    if isinstance(loader, ResumableLoader) and loader.current_step not in (None, batch_idx):
-        raise ValueError(f"Lightning trains step {batch_idx} of the epoch, but the loader's batch is its step "
-                         f"{loader.current_step}{_NOT_RESTORED}")
-    sampler = getattr(loader, "batch_sampler", None)
-    if not isinstance(sampler, DistributedBatchSampler):
-        raise TypeError(
-            "step_sizes needs a training loader built by distributed_loader or streaming_loader (a "
-            "DistributedBatchSampler as batch_sampler, or a DistributedStreamingBatches); the trainer's "
-            f"train_dataloader is a {type(loader).__name__} with batch_sampler "
-            f"{type(sampler).__name__}"
-        )
-    return sampler.sizes(batch_idx)

@@ -97,7 +97,8 @@ class Fused(Epilogue):
 
     def slice_rows(self, rows: int, columns: int, *, keep: bool) -> int:
         """Where ``G`` needs a buffer beside the product (bfloat16 features, the product read again), rows of at
-        most :data:`SLICE_LOGITS` logits a slice: the buffer stays a quarter of the default chunk's."""
+        most :data:`SLICE_LOGITS` logits a slice: the buffer stays a quarter of the default chunk's.
+        """
         if not keep or self.dtype == torch.float32:
             return rows
         return max(1, min(rows, SLICE_LOGITS // max(columns, 1)))

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist._dist import is_distributed
+from contrastive_dist._dist import GroupLike, is_distributed
+from contrastive_dist._dtensor_inputs import as_local
 from contrastive_dist._validation import collect
 from contrastive_dist.engine._agreement import Layout, agree
 from contrastive_dist.engine._wire import all_reduce
@@ -71,7 +72,7 @@ class Common:
     logit_scale: object
     temperature: object
     chunk_size: object
-    group: ProcessGroup | None
+    group: GroupLike
     sizes: Sequence[int] | None
     weight: object
     reduction: Reduction
@@ -222,9 +223,11 @@ def begin(check: Callable[[], Own], common: Common, *, inputs: Sequence[object],
         extra: this rank's second count (its own negatives).
         total: whether the weight total is agreed (a loss whose denominator only its blocks reveal: no).
     """
+    local_inputs = list(inputs)
 
     def checked() -> tuple[Own, Tensor, int | None, Tensor | None, Tensor | None]:
-        own = check()
+        local_inputs[:] = as_local(inputs, common.group)  # DTensor inputs: this rank's rows, or refused
+        own = cast(Own, as_local(check(), common.group))
         features: Tensor = own[0]
         check_reduction(common.reduction, common.weight)
         check_communication(common.communication)
@@ -253,7 +256,7 @@ def begin(check: Callable[[], Own], common: Common, *, inputs: Sequence[object],
     if common.temperature is not None:
         agreed["temperature"] = common.temperature if common.logit_scale is None else "logit_scale"
     agreed |= {"ids": common.ids is not None, **same_id, **options}
-    layout = agree([tensor for tensor in (*inputs, common.ids) if tensor is not None], problem=problem,
+    layout = agree([tensor for tensor in (*local_inputs, common.ids) if tensor is not None], problem=problem,
                    group=common.group, operation=common.operation, options=agreed, sizes=common.sizes, extra=extra,
                    total=weight_total, flags=flags)  # fmt: skip
     assert result is not None  # the agreement raised otherwise

@@ -83,7 +83,8 @@ def worth_it(queries: Tensor, keys: Tensor, ranks: int, *, ring: bool = False) -
 def taken(problem: Problem, queries: Tensor, keys: Tensor, bias: Tensor | None) -> Problem:
     """``problem`` with its tiles where they pay, else without: measured faster (:func:`worth_it`), not under
     ``torch.compile``, no columns held here, no bias; in ring mode the rows must be their own block of the
-    columns (the same tensor)."""
+    columns (the same tensor).
+    """
     ring = not isinstance(problem.columns.transport, OneBlock)
     fits = problem.columns.local is None and bias is None and (queries is keys or not ring)
     if fits and worth_it(queries, keys, len(problem.columns.counts), ring=ring) and not torch.compiler.is_compiling():

@@ -160,7 +160,8 @@ def epilogue_for(family: Family, queries: Tensor, keys: Tensor, scale: Tensor, b
 
 class Kept(NamedTuple):
     """A visit as pass 1 left it for pass 2: its product (eager: numerators against ``partial``) and its
-    column side's values (eager: numerators against ``column_partial``)."""
+    column side's values (eager: numerators against ``column_partial``).
+    """
 
     product: Tensor
     partial: Tensor
@@ -171,7 +172,8 @@ class Kept(NamedTuple):
 def states_of(epilogue: Epilogue, visit: Visit, grads: Grads | None, kept: list[Kept] | None
               ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """Pass 1 of a visit: its rows' (and column side's) partial states; with ``grads`` (the rows' states are
-    final after it, no column side), ``G`` and its products too; ``kept``: the visit is kept for pass 2."""
+    final after it, no column side), ``G`` and its products too; ``kept``: the visit is kept for pass 2.
+    """
     columns = visit.columns
     product = epilogue.product(visit.queries, visit.keys)
     column_values = column_partial = None

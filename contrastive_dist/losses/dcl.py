@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
+from contrastive_dist._dist import GroupLike
 from contrastive_dist._validation import check_pair
 from contrastive_dist.losses._families import DECOUPLED
 from contrastive_dist.losses._frame import Call, Common, begin
@@ -25,7 +25,7 @@ __all__ = ["DCLLoss", "dcl"]
 def dcl(
     z1: Tensor, z2: Tensor, logit_scale: Tensor | float | None = None, *, temperature: float = 0.1,
     sigma: float | None = None, positive_weight: Tensor | None = None, chunk_size: int | None = None,
-    group: ProcessGroup | None = None, sizes: Sequence[int] | None = None, weight: Tensor | None = None,
+    group: GroupLike = None, sizes: Sequence[int] | None = None, weight: Tensor | None = None,
     reduction: Reduction = "mean", communication: Communication = "gather", ids: Tensor | None = None,
 ) -> Tensor:
     """DCL: NT-Xent's anchors, each one's positive out of its denominator; exact under data parallelism.
@@ -45,7 +45,7 @@ def dcl(
         sigma: DCLW's ``σ > 0``; ``None``: DCL.
         positive_weight: ``v`` given, per sample ``(n_r,)`` or per anchor ``(n_r, 2)`` (not with ``sigma``).
         chunk_size: anchors per logit block, or chosen from the shapes.
-        group: the process group of the global batch (default: the world).
+        group: a process group or a device mesh, default the world ([group][option-group]).
         sizes: every rank's sample count, when the caller knows it.
         weight: ``(n_r,)`` each sample's weight ≥ 0 (both of its anchors').
         reduction: ``"mean"``, or ``"none"``: each sample's loss (its two anchors' mean).
@@ -149,7 +149,7 @@ class DCLLoss(HeldOptions):
     """
 
     def __init__(self, *, temperature: float = 0.1, sigma: float | None = None, chunk_size: int | None = None,
-                 group: ProcessGroup | None = None, reduction: Reduction = "mean",
+                 group: GroupLike = None, reduction: Reduction = "mean",
                  communication: Communication = "gather") -> None:
         super().__init__(temperature=temperature, sigma=check_sigma(sigma), chunk_size=chunk_size, group=group,
                          reduction=reduction, communication=communication)

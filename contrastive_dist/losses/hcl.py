@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
+from contrastive_dist._dist import GroupLike
 from contrastive_dist._validation import check_pair
 from contrastive_dist.losses._families import DECOUPLED
 from contrastive_dist.losses._frame import Call, Common, begin
@@ -23,7 +23,7 @@ __all__ = ["HCLLoss", "hcl"]
 
 def hcl(
     z1: Tensor, z2: Tensor, logit_scale: Tensor | float | None = None, *, temperature: float = 0.5, beta: float = 1.0,
-    tau_plus: float = 0.1, chunk_size: int | None = None, group: ProcessGroup | None = None,
+    tau_plus: float = 0.1, chunk_size: int | None = None, group: GroupLike = None,
     sizes: Sequence[int] | None = None, weight: Tensor | None = None, reduction: Reduction = "mean",
     communication: Communication = "gather", ids: Tensor | None = None,
 ) -> Tensor:
@@ -55,7 +55,7 @@ def hcl(
         beta: the hardness ``β ≥ 0`` of the negatives' reweighting (0: uniform).
         tau_plus: the prior ``τ⁺ ∈ [0, 1)`` that a negative is a positive (0: no debiasing).
         chunk_size: anchors per logit block, or chosen from the shapes.
-        group: the process group of the global batch (default: the world).
+        group: a process group or a device mesh, default the world ([group][option-group]).
         sizes: every rank's sample count, when the caller knows it.
         weight: ``(n_r,)`` each sample's weight ≥ 0 (both of its anchors').
         reduction: ``"mean"``, or ``"none"``: each sample's loss (its two anchors' mean).
@@ -129,7 +129,8 @@ def debiased_rows(hardness: Tensor, positive: Tensor, count: Tensor, scale: Tens
 
 def negatives_per_anchor(call: Call[tuple[Tensor, Tensor]], views: Tensor) -> Tensor:
     """``M_a`` of each of this rank's anchors: every other view of the global batch but its sample's (with ids:
-    but those of every sample that shares its id). Shape: ``(2 n_r,)``, in the views' dtype."""
+    but those of every sample that shares its id). Shape: ``(2 n_r,)``, in the views' dtype.
+    """
     samples = sum(call.layout.sizes)
     if call.ids is None:
         return views.new_full((views.shape[0],), 2.0 * samples - 2.0)
@@ -157,7 +158,7 @@ class HCLLoss(HeldOptions):
     """
 
     def __init__(self, *, temperature: float = 0.5, beta: float = 1.0, tau_plus: float = 0.1,
-                 chunk_size: int | None = None, group: ProcessGroup | None = None, reduction: Reduction = "mean",
+                 chunk_size: int | None = None, group: GroupLike = None, reduction: Reduction = "mean",
                  communication: Communication = "gather") -> None:  # fmt: skip
         _check_number("beta", beta, upper=math.inf)
         _check_number("tau_plus", tau_plus, upper=1.0)

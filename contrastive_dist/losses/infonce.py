@@ -7,8 +7,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
+from contrastive_dist._dist import GroupLike
 from contrastive_dist._validation import check_pair
 from contrastive_dist.losses._families import SOFTMAX
 from contrastive_dist.losses._frame import Common, begin
@@ -22,7 +22,7 @@ __all__ = ["DistributedInfoNCE", "info_nce"]
 
 def info_nce(
     image_features: Tensor, text_features: Tensor, logit_scale: Tensor | float | None = None, *,
-    temperature: float = 0.07, symmetric: bool = True, chunk_size: int | None = None, group: ProcessGroup | None = None,
+    temperature: float = 0.07, symmetric: bool = True, chunk_size: int | None = None, group: GroupLike = None,
     sizes: Sequence[int] | None = None, negatives: Tensor | SharedNegatives | None = None, weight: Tensor | None = None,
     reduction: Reduction = "mean", communication: Communication = "gather", ids: Tensor | None = None,
     same_id: SameId = "mask", negative_ids: Tensor | None = None,
@@ -66,7 +66,7 @@ def info_nce(
         temperature: used when ``logit_scale`` is ``None``; must be > 0.
         symmetric: average image→text and text→image (``True``) or image→text only.
         chunk_size: rows computed at a time; same result ([chunk_size][option-chunk-size]).
-        group: the process group, default the world ([group][option-group]).
+        group: a process group or a device mesh, default the world ([group][option-group]).
         sizes: every rank's batch size, if known ([sizes][option-sizes]).
         negatives: extra negative texts: this rank's own ``(k_r, D)`` (same dtype as the texts,
             the same kind on every rank) or :class:`SharedNegatives`; see above.
@@ -109,7 +109,6 @@ def info_nce(
         torch.Size([])
 
     """
-
     given = negatives is not None or negative_ids is not None  # extra columns (most calls have none)
 
     def own() -> _Inputs:
@@ -164,7 +163,7 @@ class DistributedInfoNCE(HeldOptions):
     """
 
     def __init__(self, *, temperature: float = 0.07, symmetric: bool = True, chunk_size: int | None = None,
-                 group: ProcessGroup | None = None, reduction: Reduction = "mean",
+                 group: GroupLike = None, reduction: Reduction = "mean",
                  communication: Communication = "gather", same_id: SameId = "mask") -> None:
         super().__init__(temperature=temperature, symmetric=symmetric, chunk_size=chunk_size, group=group,
                          reduction=reduction, communication=communication, same_id=same_id)

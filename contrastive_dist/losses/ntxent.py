@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
+from contrastive_dist._dist import GroupLike
 from contrastive_dist._validation import check_pair
 from contrastive_dist.losses._families import SOFTMAX
 from contrastive_dist.losses._frame import Call, Common, begin
@@ -22,7 +22,7 @@ __all__ = ["NTXentLoss", "nt_xent"]
 
 def nt_xent(
     z1: Tensor, z2: Tensor, logit_scale: Tensor | float | None = None, *, temperature: float = 0.5,
-    chunk_size: int | None = None, group: ProcessGroup | None = None, sizes: Sequence[int] | None = None,
+    chunk_size: int | None = None, group: GroupLike = None, sizes: Sequence[int] | None = None,
     weight: Tensor | None = None, reduction: Reduction = "mean", communication: Communication = "gather",
     ids: Tensor | None = None, same_id: SameId = "mask",
 ) -> Tensor:
@@ -57,7 +57,7 @@ def nt_xent(
         temperature: divides the cosine similarities when ``logit_scale`` is ``None``; > 0.
         chunk_size: anchors per block, at most ``chunk_size × 2N`` logits at once; same result
             ([chunk_size][option-chunk-size]).
-        group: the process group, default the world ([group][option-group]).
+        group: a process group or a device mesh, default the world ([group][option-group]).
         sizes: every rank's batch size, if known ([sizes][option-sizes]).
         weight: one weight ≥ 0 per local sample ([weight][option-weight]).
         reduction: ``"mean"`` or ``"none"``, per-sample losses ([reduction][option-reduction]).
@@ -147,7 +147,7 @@ class NTXentLoss(HeldOptions):
 
     """
 
-    def __init__(self, *, temperature: float = 0.5, chunk_size: int | None = None, group: ProcessGroup | None = None,
+    def __init__(self, *, temperature: float = 0.5, chunk_size: int | None = None, group: GroupLike = None,
                  reduction: Reduction = "mean", communication: Communication = "gather",
                  same_id: SameId = "mask") -> None:
         super().__init__(temperature=temperature, chunk_size=chunk_size, group=group, reduction=reduction,

@@ -7,8 +7,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
+from contrastive_dist._dist import GroupLike
 from contrastive_dist._validation import check_pair
 from contrastive_dist.losses._families import SIGMOID
 from contrastive_dist.losses._frame import Common, begin
@@ -21,7 +21,7 @@ __all__ = ["SigLIPLoss", "siglip"]
 
 def siglip(
     image_features: Tensor, text_features: Tensor, logit_scale: Tensor | float, logit_bias: Tensor | float, *,
-    chunk_size: int | None = None, group: ProcessGroup | None = None, sizes: Sequence[int] | None = None,
+    chunk_size: int | None = None, group: GroupLike = None, sizes: Sequence[int] | None = None,
     weight: Tensor | None = None, reduction: Reduction = "mean", communication: Communication = "gather",
     ids: Tensor | None = None, same_id: SameId = "mask",
 ) -> Tensor:
@@ -56,7 +56,7 @@ def siglip(
             ``t``); > 0 when given as a number.
         logit_bias: added to every logit (learnable ``b``; SigLIP initialises it at −10).
         chunk_size: image rows per block; same result ([chunk_size][option-chunk-size]).
-        group: the process group, default the world ([group][option-group]).
+        group: a process group or a device mesh, default the world ([group][option-group]).
         sizes: every rank's batch size, if known ([sizes][option-sizes]).
         weight: one weight ≥ 0 per local image row ([weight][option-weight]).
         reduction: ``"mean"`` or ``"none"``, per-row losses ([reduction][option-reduction]).
@@ -128,7 +128,7 @@ class SigLIPLoss(HeldOptions):
 
     """
 
-    def __init__(self, *, chunk_size: int | None = None, group: ProcessGroup | None = None,
+    def __init__(self, *, chunk_size: int | None = None, group: GroupLike = None,
                  reduction: Reduction = "mean", communication: Communication = "gather",
                  same_id: SameId = "mask") -> None:
         super().__init__(chunk_size=chunk_size, group=group, reduction=reduction, communication=communication,

@@ -8,8 +8,8 @@ from typing import cast
 import torch
 from einops import rearrange
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
+from contrastive_dist._dist import GroupLike
 from contrastive_dist._validation import check_features
 from contrastive_dist.losses._families import SOFTMAX
 from contrastive_dist.losses._frame import Common, begin
@@ -22,7 +22,7 @@ __all__ = ["SupConLoss", "supcon"]
 
 def supcon(
     features: Tensor, labels: Tensor, logit_scale: Tensor | float | None = None, *, temperature: float = 0.1,
-    chunk_size: int | None = None, group: ProcessGroup | None = None, sizes: Sequence[int] | None = None,
+    chunk_size: int | None = None, group: GroupLike = None, sizes: Sequence[int] | None = None,
     weight: Tensor | None = None, reduction: Reduction = "mean", communication: Communication = "gather",
 ) -> Tensor:
     """SupCon (``L_out``, all views as anchors) over the global batch; exact under data parallelism.
@@ -64,7 +64,7 @@ def supcon(
         temperature: divides the similarities when ``logit_scale`` is ``None``; > 0.
         chunk_size: anchors per block, the logits and two masks of ``chunk_size × N·V`` at once;
             same result ([chunk_size][option-chunk-size]).
-        group: the process group, default the world ([group][option-group]).
+        group: a process group or a device mesh, default the world ([group][option-group]).
         sizes: every rank's batch size ``n_r``, if known ([sizes][option-sizes]).
         weight: one weight ≥ 0 per local sample ([weight][option-weight]).
         reduction: ``"mean"`` or ``"none"``, per-anchor losses ([reduction][option-reduction]).
@@ -149,7 +149,7 @@ class SupConLoss(HeldOptions):
 
     """
 
-    def __init__(self, *, temperature: float = 0.1, chunk_size: int | None = None, group: ProcessGroup | None = None,
+    def __init__(self, *, temperature: float = 0.1, chunk_size: int | None = None, group: GroupLike = None,
                  reduction: Reduction = "mean", communication: Communication = "gather") -> None:
         super().__init__(temperature=temperature, chunk_size=chunk_size, group=group, reduction=reduction,
                          communication=communication)

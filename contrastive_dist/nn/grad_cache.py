@@ -26,12 +26,11 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parameter import is_lazy
 
-from contrastive_dist._dist import is_distributed
+from contrastive_dist._dist import GroupLike, is_distributed
 from contrastive_dist._validation import Problem
 from contrastive_dist.engine._agreement import agree
 from contrastive_dist.nn._grad_cache_function import CachePlan, GradCacheFunction, as_outputs
@@ -44,7 +43,7 @@ def grad_cache(
     *inputs: Tensor | Mapping[str, Any],
     mini_batch_size: int,
     sizes: Sequence[int] | None = None,
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     trim_padding: bool = False,
     **keywords: Any,
 ) -> Tensor | tuple[Tensor, ...] | dict[str, Tensor]:
@@ -83,7 +82,7 @@ def grad_cache(
             The same on every rank.
         sizes: every rank's batch size in rank order, when known: checked against the agreement,
             like the losses' ``sizes=``.
-        group: the ranks that encode in step (default: the world).
+        group: the ranks that encode in step, a process group or a device mesh (default: the world).
         trim_padding: drop, per mini-batch, the columns past the last one its ``attention_mask``
             keeps, from the tensors beside that mask (in its mapping, or the keywords) that span the
             sequence, as sentence-transformers does; the module's outputs must not depend on the width.

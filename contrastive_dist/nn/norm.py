@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from contrastive_dist._dist import get_world_size, is_distributed
+from contrastive_dist._dist import GroupLike, get_world_size, is_distributed, process_group
 from contrastive_dist.nn._norm_function import GlobalStats, global_batch_stats, normalize_with_global_stats
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
@@ -53,7 +52,8 @@ class SyncBatchNorm(_BatchNorm):
             cumulative average.
         affine: learn a per-channel ``weight`` and ``bias``.
         track_running_stats: keep running statistics for eval mode.
-        group: the process group whose ranks share statistics (default: the world).
+        group: the ranks that share statistics, a process group or a device mesh (default: the world;
+            [group][option-group]).
         device: device of the parameters and buffers.
         dtype: dtype of the parameters and buffers.
 
@@ -87,7 +87,7 @@ class SyncBatchNorm(_BatchNorm):
         affine: bool = True,
         track_running_stats: bool = True,
         *,
-        group: ProcessGroup | None = None,
+        group: GroupLike = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -111,13 +111,14 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         """Normalize ``input`` with global batch statistics (training) or as ``nn.BatchNorm``."""
-        if not (self.training and is_distributed(self.group)):
+        group = process_group(self.group)
+        if not (self.training and is_distributed(group)):
             return super().forward(input)
-        world_size = get_world_size(self.group)
-        stats = global_batch_stats(input, self.num_features, self.group, world_size)
+        world_size = get_world_size(group)
+        stats = global_batch_stats(input, self.num_features, group, world_size)
         if self.track_running_stats:
             self._update_running_stats(stats)
-        return normalize_with_global_stats(input, self.weight, self.bias, stats, self.eps, self.group)
+        return normalize_with_global_stats(input, self.weight, self.bias, stats, self.eps, group)
 
     @torch.no_grad()
     def _update_running_stats(self, stats: GlobalStats) -> None:
@@ -139,7 +140,7 @@ class SyncBatchNorm(_BatchNorm):
             buffer.copy_(updated)
 
 
-def _converted(module: _BatchNorm, group: ProcessGroup | None) -> SyncBatchNorm:
+def _converted(module: _BatchNorm, group: GroupLike) -> SyncBatchNorm:
     if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
         raise ValueError(f"convert_sync_batchnorm: run one forward through {type(module).__name__} first")
     sync = SyncBatchNorm(
@@ -165,7 +166,7 @@ def _converted(module: _BatchNorm, group: ProcessGroup | None) -> SyncBatchNorm:
 _INPUT_DIMS: dict[type, tuple[int, ...]] = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
 
 
-def convert_sync_batchnorm(module: nn.Module, group: ProcessGroup | None = None) -> nn.Module:
+def convert_sync_batchnorm(module: nn.Module, group: GroupLike = None) -> nn.Module:
     """Replace every BatchNorm layer in ``module`` by a :class:`SyncBatchNorm`.
 
     Every ``nn.BatchNorm1d/2d/3d`` (any subclass of ``nn.modules.batchnorm._BatchNorm``, also
@@ -175,7 +176,8 @@ def convert_sync_batchnorm(module: nn.Module, group: ProcessGroup | None = None)
 
     Args:
         module: the model; changed in place.
-        group: the process group whose ranks share statistics (default: the world).
+        group: the ranks that share statistics, a process group or a device mesh (default: the world;
+            [group][option-group]).
 
     Returns:
         ``module`` itself, or a new :class:`SyncBatchNorm` when ``module`` is a BatchNorm layer.
