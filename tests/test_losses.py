@@ -40,7 +40,7 @@ from contrastive_dist import (
     siglip,
     supcon,
 )
-from contrastive_dist.losses import _same_key, _tiles, _visit
+from contrastive_dist.losses import _epilogue, _same_key, _tiles, _visit
 from contrastive_dist.losses._options import PRODUCTS_VARIABLE, half_products
 from contrastive_dist.losses._unit import unit_rows
 
@@ -575,6 +575,7 @@ def test_the_products_policy_keeps_half_features_on_cuda_and_upcasts_on_cpu(monk
         return real_product(first, second)
 
     monkeypatch.setattr(_visit, "product", spy)
+    monkeypatch.setattr(_epilogue, "product", spy)  # (the eager epilogue's own name for it)
     images = F.normalize(torch.randn(6, 8), dim=-1).bfloat16().requires_grad_()
     for choice in ("auto", "half"):
         monkeypatch.setenv(PRODUCTS_VARIABLE, choice)

@@ -1,7 +1,7 @@
 """The losses on their fused epilogue path (CUDA's, run here in Triton's interpreter) against float64.
 
 On CUDA every block of float32 or bfloat16 features (keys included: SupCon's labels, sample ids) takes
-the fused Triton epilogues (``losses/_epilogue.py``) in every path (gather mode, ring mode, per-row
+the fused Triton epilogues (``losses/_fused.py``) in every path (gather mode, ring mode, per-row
 losses); here the same path runs on CPU tensors under
 ``TRITON_INTERPRET=1`` with ``CONTRASTIVE_DIST_EPILOGUE=triton``, in a process of its own (Triton reads
 the variable when it is first imported): :func:`test_in_interpreter` runs this file's checks there.

@@ -22,8 +22,7 @@ from typing import NamedTuple, NoReturn
 import torch
 from torch import Tensor
 
-from contrastive_dist._dist import GroupLike, get_rank, get_world_size, process_group, start_offset
-from contrastive_dist._dtensor_inputs import as_local
+from contrastive_dist._dist import GroupLike, as_local, get_rank, get_world_size, process_group, start_offset
 from contrastive_dist._validation import collect, sizes_problem
 from contrastive_dist.engine._agreement import Layout, agree, debug_checks, local_problem
 from contrastive_dist.engine._compiled import gather_compiled

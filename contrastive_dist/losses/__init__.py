@@ -8,9 +8,9 @@ A loss is a function of this rank's rows against every rank's columns, met block
   agreement, meeting the columns, the primitive (each row's value of a family, or their weighted sum)
   and the contract's reduction; ``_module.py``: the modules that hold a loss's options;
 * ``_driver.py`` — the one block driver: the blocks and chunks a rank meets, two passes, the gradient
-  formed in forward or in backward; ``_visit.py``: what one visit computes (its product, the eager
-  epilogue, its gradient's products); ``_tiles.py``: a Gram loss's pairs of tiles; ``_epilogue.py`` and
-  ``_triton*.py``: the fused epilogue (CUDA);
+  formed in forward or in backward; ``_visit.py``: what one visit computes (its product, its states,
+  its gradient's products); ``_tiles.py``: a Gram loss's pairs of tiles; ``_epilogue.py``: what a
+  product goes through, eager or fused (``_fused.py``, ``_triton*.py``: CUDA), chosen once a call;
 * ``_softmax.py``, ``_decoupled.py``, ``_sigmoid.py`` (gathered in ``_families.py``) — the families: a
   row's state across column blocks, merged exactly, its value and a block's logit gradient;
 * ``_transports.py`` — which blocks a rank meets (``communication="gather"``: every column at once;

@@ -17,7 +17,7 @@ two products (:mod:`._visit`). The driver runs that once, for every loss, transp
   formed), in backward for per-row values (:func:`per_row`: the upstream gradients weigh the rows). Ring
   mode's softmax sums take the second: formed in forward, their blocks would go round twice and their
   gradients, the size of the features, would wait for backward;
-* **the epilogue**: eager, or fused on CUDA (:func:`~._visit.epilogue_for`, once per call).
+* **the epilogue**: eager, or fused on CUDA (:func:`~._epilogue.epilogue_for`, once per call).
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ import torch
 from torch import Tensor
 
 from contrastive_dist.losses import _tiles
+from contrastive_dist.losses._epilogue import Eager, epilogue_for
 from contrastive_dist.losses._families import Family
 from contrastive_dist.losses._options import full_precision, upcast
-from contrastive_dist.losses._targets import Indices, RowTargets
+from contrastive_dist.losses._targets import RowTargets
 from contrastive_dist.losses._transports import BLOCK_LOGITS, LOCAL, Columns, OneBlock, chunks
-from contrastive_dist.losses._visit import Eager, Grads, Kept, Side, Visit, epilogue_for, gradients_of, states_of
+from contrastive_dist.losses._visit import Grads, Kept, block_visits, gradients_of, states_of
 
 __all__ = ["Problem", "per_row", "weighted_sum"]
 
@@ -111,7 +112,8 @@ def _first_order_only(backward: Callable[..., tuple[Tensor | None, ...]]) -> Cal
 class _Formed(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, queries: Tensor, keys: Tensor, scale: Tensor, bias: Tensor | None,  # type: ignore[override]
-                problem: Problem, weights: Tensor | None, wanted: tuple[bool, ...]) -> tuple[Tensor, Tensor]:  # fmt: skip
+                problem: Problem, weights: Tensor | None, wanted: tuple[bool, ...],
+                ) -> tuple[Tensor, Tensor]:  # fmt: skip
         run = _Run(problem, queries, keys, scale, bias, in_forward=True)
         grads = run.grads(wanted) if any(wanted) else None
         key_grad = run.states(grads, weights)
@@ -141,14 +143,18 @@ class _Recomputed(torch.autograd.Function):
         ctx.save_for_backward(queries, keys, scale, bias, run.row_state, run.column_state, run.tile_state)
         ctx.problem, ctx.kept, ctx.wanted = problem, run.kept, wanted
         ctx.mark_non_differentiable(has := run.has_positive())
-        return (*(problem.family.finish(state) for state in run.finished(own_columns=True)), has)
+        rows, columns = (problem.family.finish(state) for state in run.finished(own_columns=True))
+        return rows, columns, has
 
     @staticmethod
     @_first_order_only
-    def backward(ctx: Any, row_grad: Tensor, column_grad: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx: Any, row_grad: Tensor, column_grad: Tensor, _: Tensor
+    ) -> tuple[Tensor | None, ...]:
         queries, keys, scale, bias, row_state, column_state, tile_state = ctx.saved_tensors
         run = _Run(ctx.problem, queries, keys, scale, bias, in_forward=False)
-        run.row_state, run.column_state, run.tile_state, run.kept, ctx.kept = row_state, column_state, tile_state, ctx.kept, None
+        run.row_state, run.column_state, run.tile_state, run.kept = row_state, column_state, tile_state, ctx.kept
+        ctx.kept = None  # used up below
         column_weights: Tensor | float = 1.0
         if run.symmetric:  # every column's upstream gradient where it is met (gather: every rank's, gathered)
             column_weights = run.transport.block_columns(column_grad.to(column_state.dtype), run.own_losses)
@@ -222,8 +228,10 @@ class _Run:
         return self.scale.new_zeros((rows, self.keys.shape[1]))
 
     def states(self, grads: Grads | None, weights: Tensor | None) -> Tensor | None:
-        """Pass 1: every row's final state (symmetric: the own columns' too); in one pass, with ``grads``,
-        ``G`` and its products too, and then the keys' gradient is returned.
+        """Pass 1: every row's final state (symmetric: the own columns' too).
+
+        In one pass (:attr:`one_pass`, with ``grads``), ``G`` and its products too: then the keys' gradient
+        is returned.
         """
         if self.problem.tiles is not None:
             self.row_state = _tiles.states(self, _keeps(self, grads is not None))
@@ -233,9 +241,9 @@ class _Run:
 
         def visit(owner: int, block: tuple[Tensor, ...], accumulator: Tensor | None) -> None:
             column_state = accumulator if self.symmetric else None
+            key_grad = accumulator if one_pass else None
             parts = [states_of(self.epilogue, one, grads if one_pass else None, self.kept)
-                     for one in self.visits(owner, block, column_state, grads, accumulator if one_pass else None,
-                                            weights)]  # fmt: skip
+                     for one in block_visits(self, owner, block, column_state, grads, key_grad, weights)]
             if not parts:
                 return
             # Each visit's partial states joined once a block: a merge is a dozen small launches.
@@ -268,13 +276,14 @@ class _Run:
         kept, weights = iter(self.kept or ()), row_weights if isinstance(row_weights, Tensor) else None
 
         def visit(owner: int, block: tuple[Tensor, ...], key_grad: Tensor | None) -> None:
-            for one in self.visits(owner, block, None, grads, key_grad, weights, column_weights):
+            for one in block_visits(self, owner, block, None, grads, key_grad, weights, column_weights):
                 gradients_of(self.epilogue, one, grads, next(kept, None))
 
         block, rows = self._block(), self._block_rows()
         if self.symmetric and self.ring:  # the own columns' final states and weights travel with their block
             upstream = torch.as_tensor(column_weights).to(self.column_state).expand(self.column_state.shape[0])
-            block, rows = (*block, torch.cat((self.column_state, upstream[:, None]), dim=1)), [*rows, self.own_losses]
+            block = (*block, torch.cat((self.column_state, upstream[:, None]), dim=1))
+            rows = [*rows, self.own_losses]
         home = self.transport.run(block, rows, visit, self.new_key_grad if grads.want_key else None)
         if self.ring and self.local:
             visit(LOCAL, self.local, None)
@@ -288,56 +297,6 @@ class _Run:
 
     def _block_rows(self) -> list[tuple[int, ...]]:
         return [self.columns.counts] + ([self.columns.key_counts] if self.columns.keys is not None else [])
-
-    def visits(self, owner: int, block: tuple[Tensor, ...], column_state: Tensor | None, grads: Grads | None,
-               key_grad: Tensor | None, weights: Tensor | None, column_weights: Tensor | float = 1.0
-               ) -> list[Visit]:  # fmt: skip
-        """The chunks of rows that meet ``owner``'s block (an empty block: none), each a :class:`~._visit.Visit`.
-
-        ``column_state``: pass 1's running state of the block's own columns (symmetric); ``None`` in pass 2,
-        which reads their final states (ring mode: travelling with the block, their weights beside them).
-        """
-        rows, features, width, column_positive = self.problem.rows, block[0], 0, None
-        column_keys = block[1] if len(block) > 1 and (self.columns.keys is not None or owner == LOCAL) else None
-        if features.shape[0] == 0 or self.queries.shape[0] == 0:
-            return []
-        own_start = None if owner == LOCAL else self.transport.own_start_of(owner)
-        positive, excluded = (None if index is None or own_start is None else index + own_start
-                              for index in (rows.positive, rows.excluded))  # fmt: skip
-        if self.symmetric and owner != LOCAL:
-            width = self.transport.columns_in(owner, self.own_losses)
-            column_positive = self._column_positive(own_start, width)
-            if column_state is None and self.ring:  # (contiguous once a block, as the fused ops take them)
-                column_state, column_weights = block[-1][:, :-1].contiguous(), block[-1][:, -1].contiguous()
-            elif column_state is None:
-                column_state = self.column_state
-        visits = []
-        for start, stop in chunks(self.queries.shape[0], self.problem.chunk, features.shape[0], self.queries,
-                                  self.symmetric and self.in_forward and not self.ring):  # fmt: skip
-            keys = None if rows.keys is None else rows.keys[start:stop]
-            indices = Indices(*(None if i is None else i[start:stop] for i in (positive, excluded)), keys,
-                              column_keys, rows.key_rule, width=features.shape[0])  # fmt: skip
-            row_side = Side(indices, self.row_state[start:stop], 1.0 if weights is None else weights[start:stop])
-            column_side = None
-            if width and column_state is not None:
-                own_keys = None if column_keys is None else column_keys[:width]
-                column_indices = Indices(column_positive, None, own_keys, keys, rows.key_rule, start, stop - start,
-                                         inside=False)  # fmt: skip
-                column_side = Side(column_indices, column_state, column_weights)
-            query_grad = None if grads is None or grads.query is None else grads.query[start:stop]
-            visits.append(Visit(self.queries[start:stop], features, row_side, column_side, query_grad, key_grad))
-        return visits
-
-    def _column_positive(self, own_start: int | None, width: int) -> Tensor | None:
-        """The own columns' positive rows, placed at their columns of the block (the others': none)."""
-        positive = self.problem.rows.column_positive
-        if not width or positive is None or own_start is None:
-            return None
-        if own_start == 0 and positive.shape[0] == width:
-            return positive
-        placed = positive.new_full((width,), -1)
-        placed[own_start : own_start + positive.shape[0]] = positive
-        return placed
 
 
 def _keeps(run: _Run, in_forward: bool) -> bool:

@@ -1,144 +1,128 @@
-"""The fused epilogue: a visit's product through one Triton op per direction (:mod:`._triton`, CUDA).
+"""What a visit's product goes through: the epilogue's interface, its eager reference and the one choice.
 
-Everything between a visit's product and its gradient's products — the logits' scale and bias, the
-rows' state, the logit gradient ``G`` — is one launch that reads the raw product ``P = Q Kᵀ`` and
-writes ``G`` (in bfloat16 for bfloat16 features): 6–12 bytes per logit instead of the eager chain's
-40–130. Keys (SupCon's labels, sample ids) are compared in the kernel, tile by tile, never formed as a
-mask. :class:`Fused` is the driver's :class:`~._visit.Epilogue` on these ops; :func:`fused` says where
-it serves: CUDA features of float32 or bfloat16, the softmax and sigmoid families. DCL's family, a
-float32 queue beside half features and float16 (whose logit gradient, rounded with the row weights
-folded in, needs the power-of-two scaling of :func:`._visit.accumulate`) keep the eager epilogue, which
-stays the reference: the same numbers to float32 rounding (``tests/test_triton_epilogue.py``,
-``tests/test_losses_fused_epilogue.py``). ``CONTRASTIVE_DIST_EPILOGUE`` chooses (:data:`._triton.EPILOGUE_VARIABLE`).
+A visit's epilogue is everything between its product and its gradient's products: the logits' scale and
+bias, the rows' state, the logit gradient ``G``. :class:`Eager` runs the family's functions on the
+logits, in place, and stays the reference; the fused Triton epilogue (:class:`._fused.Fused`, CUDA)
+computes the same numbers from the raw product, one launch per direction. :func:`epilogue_for` chooses
+between them, once per call: the only place the fast or eager choice is made.
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from contrastive_dist.losses._families import SIGMOID, SOFTMAX, Family
 from contrastive_dist.losses._targets import Indices
-from contrastive_dist.losses._visit import Epilogue, product
+from contrastive_dist.losses._visit import half, product
 
-__all__ = ["Fused", "fused"]
+if TYPE_CHECKING:
+    from contrastive_dist.losses._families import Family
 
-_EPILOGUE_VARIABLE = "CONTRASTIVE_DIST_EPILOGUE"  # read here too, so that CPU runs never import Triton
-SLICE_LOGITS = 2**26
-"""The most logits of a pass-2 ``G`` formed at once in a buffer beside the product (256 MiB of fp32 product
-rows: a quarter of the default CUDA chunk's): InfoNCE's bf16 peak 7.2 → 6.1 bytes a logit of the chunk."""
+__all__ = ["EPILOGUE_VARIABLE", "Eager", "Epilogue", "epilogue_for"]
 
-
-def fused(family: Family, queries: Tensor, keys: Tensor) -> bool:
-    """Whether a call of ``family`` on blocks of ``queries`` against ``keys`` takes the fused epilogue."""
-    if queries.dtype != keys.dtype or family not in (SOFTMAX, SIGMOID):
-        return False  # a block held in another dtype (a float32 queue), DCL: the eager epilogue
-    if queries.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    if not queries.is_cuda and os.environ.get(_EPILOGUE_VARIABLE) != "triton":
-        return False
-    from contrastive_dist.losses import _triton
-
-    return _triton.available(queries)
+EPILOGUE_VARIABLE = "CONTRASTIVE_DIST_EPILOGUE"
+"""``auto`` / unset: the fused epilogue on CUDA tensors, the eager one elsewhere; ``eager``: never fused;
+``triton``: fused wherever Triton runs, CPU tensors included under ``TRITON_INTERPRET=1``."""
 
 
-class Fused(Epilogue):
-    """The driver's epilogue on the fused ops: the product raw, the logits formed in the kernels."""
-
-    def __init__(self, family: Family, scale: Tensor, bias: Tensor | None, dtype: torch.dtype) -> None:
-        from contrastive_dist.losses import _triton
-
-        self.ops, self.sigmoid, self.scale, self.bias, self.dtype = _triton, family is SIGMOID, scale, bias, dtype
+class Epilogue:
+    """What a visit's product goes through: :class:`Eager`'s interface, and the fused epilogue's."""
 
     def product(self, queries: Tensor, keys: Tensor) -> Tensor:
-        return product(queries, keys.T)  # float32, no scale: the kernels form the logits
+        """The visit's one product ``(c, m)``."""
+        raise NotImplementedError
 
     def transposed(self, product: Tensor, width: int) -> Tensor:
-        return product[:, :width].T  # a view: the kernels read any strides
+        """The first ``width`` columns of ``product`` seen as rows ``(width, c)``: a column side's values."""
+        raise NotImplementedError
 
     def state(self, values: Tensor, indices: Indices) -> Tensor:
-        positive, excluded, options = _arguments(indices)
-        if self.sigmoid:
-            return self.ops.sigmoid_block(values, self.scale, self.bias, positive, excluded, None, None,
-                                          **options)[0][:, None]  # fmt: skip
-        return self.ops.softmax_state(values, self.scale, self.bias, positive, excluded, **options)
+        """The rows' state over this visit alone ``(c, width)`` (eager: ``values`` become numerators)."""
+        raise NotImplementedError
 
     def state_and_gradient(self, values: Tensor, indices: Indices, weights: Tensor | float, *, keep: bool = False
                            ) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
-        positive, excluded, options = _arguments(indices)
-        grad = self._buffer(values, keep=keep, in_place=True)  # both ops own whole rows
-        if self.sigmoid:
-            sums, grad_sums = self.ops.sigmoid_block(values, self.scale, self.bias, positive, excluded,
-                                                     _weights(weights), grad, splits=1, **options)  # fmt: skip
-            return sums[:, None], grad, grad_sums
-        state = self.ops.softmax_block(values, self.scale, self.bias, positive, excluded, _weights(weights), grad,
-                                       **options)  # fmt: skip
-        return state, grad, None
+        """The state of rows complete after this visit, their ``G`` and (fused sigmoid) ``Σ_j G_ij``.
+
+        ``keep``: ``values`` are read again afterwards (a column side).
+        """
+        raise NotImplementedError
 
     def gradient(self, values: Tensor, indices: Indices, state: Tensor, weights: Tensor | float,
                  partial: Tensor | None, *, keep: bool) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-        positive, excluded, options = _arguments(indices)
-        grad = self._buffer(values, keep=keep, in_place=self.sigmoid)
-        if self.sigmoid:  # a pair's term needs no state
-            _, grad_sums = self.ops.sigmoid_block(values, self.scale, self.bias, positive, excluded,
-                                                  _weights(weights), grad, splits=1, **options)  # fmt: skip
-            return grad, grad_sums
-        self.ops.softmax_grad(values, self.scale, self.bias, state, positive, excluded, _weights(weights), grad,
-                              **options)  # fmt: skip
-        return grad, None
+        """``G`` from the rows' final ``state``, and ``Σ_j G_ij`` or ``None``.
+
+        ``partial``: ``values`` are pass 1's numerators against it; ``keep``: ``values`` are read again.
+        """
+        raise NotImplementedError
 
     def add_column_gradient(self, logit_grad: Tensor, values: Tensor, indices: Indices, state: Tensor,
                             weights: Tensor | float, partial: Tensor | None) -> None:  # fmt: skip
-        positive, excluded, options = _arguments(indices)
-        self.ops.softmax_grad(values, self.scale, self.bias, state, positive, excluded, _weights(weights),
-                              logit_grad[:, : values.shape[0]].T, accumulate=True, **options)  # fmt: skip
+        """``G[:, :width] += G_columnsᵀ``: a column side's gradient from its final ``state``."""
+        raise NotImplementedError
 
     def slice_rows(self, rows: int, columns: int, *, keep: bool) -> int:
-        """Where ``G`` needs a buffer beside the product (bfloat16 features, the product read again), rows of at
-        most :data:`SLICE_LOGITS` logits a slice: the buffer stays a quarter of the default chunk's.
-        """
-        if not keep or self.dtype == torch.float32:
-            return rows
-        return max(1, min(rows, SLICE_LOGITS // max(columns, 1)))
-
-    def _buffer(self, product: Tensor, *, keep: bool, in_place: bool = False) -> Tensor:
-        """Where ``G`` goes, in the features' dtype: the product's own storage when it is not read again, else a buffer.
-
-        float32: the product itself. bfloat16 (``in_place``: an op whose programs own whole rows, each reading a
-        row's columns in order before writing them): row ``i`` of ``G`` in the first half of row ``i``'s bytes,
-        ``(c, m)`` with strides ``(2m, 1)``: each element written over the product's elements ``≤ j`` of its
-        own row, read already. No chunk-sized buffer beside the product (``tests/test_traffic.py``'s peak).
-        """
-        if keep:
-            return product.new_empty(product.shape, dtype=self.dtype)
-        if self.dtype == torch.float32:
-            return product
-        if in_place and self.dtype == torch.bfloat16 and product.is_contiguous() and product.shape[1]:
-            return product.view(self.dtype)[:, : product.shape[1]]
-        return product.new_empty(product.shape, dtype=self.dtype)
+        """Rows of a visit whose ``G`` is formed at once in pass 2 (``keep``: the product is read again)."""
+        return rows
 
 
-def _arguments(indices: Indices) -> tuple[Tensor | None, Tensor | None, dict[str, object]]:
-    """The ops' targets: the positive and excluded columns, and their keyword arguments (keys, rule, shift)."""
-    excluded = indices.excluded
-    if excluded is not None and indices.shift:
-        excluded = excluded - indices.shift  # (the kernels shift the positives only)
-    keyed = indices.row_keys is not None and indices.column_keys is not None
-    options: dict[str, object] = {
-        "row_keys": indices.row_keys.contiguous() if keyed else None,  # type: ignore[union-attr]
-        "column_keys": indices.column_keys.contiguous() if keyed else None,  # type: ignore[union-attr]
-        "keys_positive": indices.key_rule == "positive",
-        "positive_shift": indices.shift,
-    }
-    return indices.positive, excluded, options
+class Eager(Epilogue):
+    """The reference epilogue: the family's functions on the logits ``s · Q Kᵀ (+ b)``, in place."""
+
+    def __init__(self, family: Family, scale: Tensor, bias: Tensor | None) -> None:
+        self.family, self.scale, self.bias = family, scale, bias
+
+    def product(self, queries: Tensor, keys: Tensor) -> Tensor:
+        if half(queries, keys) or queries.dtype != keys.dtype:
+            logits = product(queries, keys.T).mul_(self.scale)  # the scale in float32, after the product
+            return logits if self.bias is None else logits.add_(self.bias)
+        if self.bias is None:  # the scale folded into the smaller operand: no pass over the logits
+            return (queries * self.scale) @ keys.T
+        return torch.addmm(self.bias.expand(1, 1), queries * self.scale, keys.T)
+
+    def transposed(self, product: Tensor, width: int) -> Tensor:
+        # A copy laid out like the logits: its gradient adds back onto theirs in one plain pass.
+        return product[:, :width].clone().T
+
+    def state(self, values: Tensor, indices: Indices) -> Tensor:
+        targets = indices.targets()
+        return self.family.block_state_(values, targets, targets.positive_mask(values))
+
+    def state_and_gradient(self, values: Tensor, indices: Indices, weights: Tensor | float, *, keep: bool = False
+                           ) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+        targets = indices.targets()
+        mask = targets.positive_mask(values)
+        state = self.family.block_state_(values, targets, mask)
+        return state, self.family.gradient_(values, state, targets, mask, weights), None
+
+    def gradient(self, values: Tensor, indices: Indices, state: Tensor, weights: Tensor | float,
+                 partial: Tensor | None, *, keep: bool) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        targets = indices.targets()
+        mask = targets.positive_mask(values)
+        if partial is None:
+            self.family.numerators_(values, state, targets, mask)
+        else:
+            self.family.rebase_(values, partial, state)
+        return self.family.gradient_(values, state, targets, mask, weights), None
+
+    def add_column_gradient(self, logit_grad: Tensor, values: Tensor, indices: Indices, state: Tensor,
+                            weights: Tensor | float, partial: Tensor | None) -> None:  # fmt: skip
+        column_grad, _ = self.gradient(values, indices, state, weights, partial, keep=False)
+        logit_grad[:, : column_grad.shape[0]] += column_grad.T
 
 
-def _weights(weights: Tensor | float) -> Tensor | None:
-    """Row weights as the ops take them: a float32 vector, or ``None`` for all 1."""
-    if isinstance(weights, Tensor):
-        return weights.to(torch.float32).contiguous()
-    if weights == 1.0:
-        return None
-    raise ValueError(f"the fused epilogue takes per-row weights or 1, got {weights!r}")
+def epilogue_for(family: Family, queries: Tensor, keys: Tensor, scale: Tensor, bias: Tensor | None) -> Epilogue:
+    """The epilogue of a call: the fused Triton ops where they serve (:func:`._fused.fused`), else :class:`Eager`.
+
+    CPU tensors take Triton's interpreter only when asked (:data:`EPILOGUE_VARIABLE`): a CPU run never
+    imports Triton otherwise.
+    """
+    if queries.is_cuda or os.environ.get(EPILOGUE_VARIABLE) == "triton":
+        from contrastive_dist.losses import _fused
+
+        if _fused.fused(family, queries, keys):
+            return _fused.Fused(family, scale, bias, queries.dtype)
+    return Eager(family, scale, bias)

@@ -1,7 +1,7 @@
 """The loss families: what a visit does to its rows' state, and what a row's value and logit gradient are.
 
 Each family is a module of functions with the same contracts (see :mod:`._softmax`), gathered here into
-one :class:`Family` that the driver runs; a family's fused Triton ops (:mod:`._epilogue`) compute the
+one :class:`Family` that the driver runs; a family's fused Triton ops (:mod:`._fused`) compute the
 same numbers.
 
 * :data:`SOFTMAX` — the masked per-row log-sum-exp against the row's positives, ``ℓ_i = logsumexp_j l_ij −

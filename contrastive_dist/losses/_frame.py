@@ -29,13 +29,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from contrastive_dist._dist import GroupLike, is_distributed
-from contrastive_dist._dtensor_inputs import as_local
+from contrastive_dist._dist import GroupLike, as_local, is_distributed
 from contrastive_dist._validation import collect
 from contrastive_dist.engine._agreement import Layout, agree
 from contrastive_dist.engine._wire import all_reduce
 from contrastive_dist.losses import _driver
 from contrastive_dist.losses._families import Family
+from contrastive_dist.losses._negatives import SharedNegatives
 from contrastive_dist.losses._options import (
     Communication,
     Reduction,
@@ -118,7 +118,8 @@ class Call(Generic[Own]):
         return comparable_keys(keys, self.scale.dtype, small and self.layout.every_rank_has(SMALL_KEYS))
 
     def columns(self, features: Tensor, *, keys: Tensor | None = None, per_sample: int = 1,
-                negatives: object = None, negative_keys: Tensor | None = None, own_losses: bool = False) -> Columns:  # fmt: skip
+                negatives: Tensor | SharedNegatives | None = None, negative_keys: Tensor | None = None,
+                own_losses: bool = False) -> Columns:  # fmt: skip
         """The columns this rank's rows meet: every rank's ``features`` (``per_sample`` rows a sample), their keys.
 
         ``negatives``: InfoNCE's extra columns, this rank's own (after its features, every rank's) or
@@ -194,7 +195,11 @@ class Call(Generic[Own]):
         return value * torch.where(positive, world_size / torch.where(positive, denominator, 1.0), 0.0)
 
     def gathered(self, rows: Tensor) -> Tensor:
-        """Every rank's ``rows`` (one per local sample), in rank order; differentiable. Shape: ``(n_r, ...)`` → ``(N, ...)``."""
+        """Every rank's ``rows`` (one per local sample), in rank order; differentiable.
+
+        Shape:
+            rows: ``(n_r, ...)``; output: ``(N, ...)``.
+        """
         return meet("gather", self.layout, [rows])[0]
 
     def summed(self, value: Tensor) -> Tensor:

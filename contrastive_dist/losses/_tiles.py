@@ -31,7 +31,7 @@ from torch import Tensor
 
 from contrastive_dist.losses._options import upcast
 from contrastive_dist.losses._targets import Indices, RowTargets
-from contrastive_dist.losses._transports import CUDA_BLOCK_LOGITS, OneBlock
+from contrastive_dist.losses._transports import CUDA_BLOCK_LOGITS, EVERY_RANK, OneBlock
 from contrastive_dist.losses._visit import Grads, Side, Visit, gradients_of, states_of
 
 if TYPE_CHECKING:
@@ -81,9 +81,10 @@ def worth_it(queries: Tensor, keys: Tensor, ranks: int, *, ring: bool = False) -
 
 
 def taken(problem: Problem, queries: Tensor, keys: Tensor, bias: Tensor | None) -> Problem:
-    """``problem`` with its tiles where they pay, else without: measured faster (:func:`worth_it`), not under
-    ``torch.compile``, no columns held here, no bias; in ring mode the rows must be their own block of the
-    columns (the same tensor).
+    """``problem`` with its tiles where they pay, else without.
+
+    Where measured faster (:func:`worth_it`), not under ``torch.compile``, with no columns held here and no
+    bias; in ring mode the rows must be their own block of the columns (the same tensor).
     """
     ring = not isinstance(problem.columns.transport, OneBlock)
     fits = problem.columns.local is None and bias is None and (queries is keys or not ring)
@@ -111,7 +112,8 @@ def tiles(counts: tuple[int, ...], rank: int, size: int) -> list[Tile]:
     world_size, starts = len(counts), list(itertools.accumulate(counts, initial=0))
 
     def spans(owner: int) -> list[tuple[int, int]]:
-        return [(start, min(start + size, starts[owner + 1])) for start in range(starts[owner], starts[owner + 1], size)]
+        begin, end = starts[owner], starts[owner + 1]
+        return [(start, min(start + size, end)) for start in range(begin, end, size)]
 
     own = spans(rank)
     formed = [Tile(a, b) for i, a in enumerate(own) for b in own[i:]]
@@ -128,8 +130,9 @@ def tiles(counts: tuple[int, ...], rank: int, size: int) -> list[Tile]:
 
 
 def tile_size(chunk: int | None, queries: Tensor, columns: int, cpu_budget: int = CPU_TILE_LOGITS) -> int:
-    """Rows per tile: a square of the default budget's logits, or the side that keeps ``chunk_size``'s promise
-    (a pair's block and its transposed copy then hold at most ``chunk_size × columns`` logits together).
+    """Rows per tile: a square of the default budget's logits, or the side that keeps ``chunk_size``'s promise.
+
+    With ``chunk_size``, a pair's block and its transposed copy hold at most ``chunk_size × columns`` logits.
 
     Example:
         >>> import torch
@@ -149,7 +152,7 @@ class _Plan(NamedTuple):
 
 
 def _plan(run: _Run) -> _Plan:
-    counts, rank = run.columns.counts, run.transport.rank if isinstance(run.transport, OneBlock) else run.transport.ring.rank
+    counts, rank = run.columns.counts, run.transport.rank
     starts = tuple(itertools.accumulate(counts, initial=0))
     size = tile_size(run.problem.chunk, run.keys, max(counts, default=0) if run.ring else run.keys.shape[0],
                      RING_TILE_LOGITS if run.ring else CPU_TILE_LOGITS)  # fmt: skip
@@ -163,20 +166,25 @@ def _plan(run: _Run) -> _Plan:
 
 def area(run: _Run) -> int:
     """The logits of every pair this rank forms."""
-    return sum((t.rows[1] - t.rows[0]) * (t.columns[1] - t.columns[0]) for ts in _plan(run).by_owner.values() for t in ts)
+    pairs = [tile for formed in _plan(run).by_owner.values() for tile in formed]
+    return sum((tile.rows[1] - tile.rows[0]) * (tile.columns[1] - tile.columns[0]) for tile in pairs)
 
 
 def _visits(run: _Run, plan: _Plan, owner: int, block: tuple[Tensor, ...], states: tuple[Tensor, Tensor],
-            weights: tuple[Tensor | float, Tensor | float], grads: tuple[Tensor | None, Tensor | None]) -> list[Visit]:  # fmt: skip
-    """The pairs of ``owner``'s block (gather: of the whole matrix), with where their rows' states, weights and
-    gradients are: ``(this rank's rows', the block's rows')`` each (gather: the whole matrix's, twice).
+            weights: tuple[Tensor | float, Tensor | float], grads: tuple[Tensor | None, Tensor | None],
+            ) -> list[Visit]:  # fmt: skip
+    """The pairs of ``owner``'s block (gather: of the whole matrix), each a visit.
+
+    ``states``, ``weights``, ``grads``: where the rows' states, weights and gradients are, ``(this rank's
+    rows', the block's rows')`` (gather: the whole matrix's, twice).
     """
-    every, rank = plan.every, (run.transport.ring.rank if run.ring else 0)
+    every, rank = plan.every, run.transport.rank
     here, there = (plan.starts[rank], plan.starts[owner]) if run.ring else (0, 0)
     keys = (run.columns.keys, block[1] if len(block) > 1 and run.columns.keys is not None else None)
     out = []
     for tile in plan.by_owner.get(owner, ()):
-        a, b = slice(tile.rows[0] - here, tile.rows[1] - here), slice(tile.columns[0] - there, tile.columns[1] - there)
+        a = slice(tile.rows[0] - here, tile.rows[1] - here)
+        b = slice(tile.columns[0] - there, tile.columns[1] - there)
 
         def side(rows: tuple[int, int], columns: tuple[int, int], mine: slice, theirs: slice, first: int) -> Side:
             own_keys, other_keys = keys if first == 0 else keys[::-1]
@@ -202,7 +210,7 @@ def states(run: _Run, keep: bool) -> Tensor:
     family, plan, scale = run.family, _plan(run), run.scale
     run.kept = [] if keep else None
     counts = run.columns.counts
-    own = family.empty_state(run.keys.shape[0] if not run.ring else counts[run.transport.ring.rank], scale)
+    own = family.empty_state(counts[run.transport.rank] if run.ring else run.keys.shape[0], scale)
 
     def visit(owner: int, block: tuple[Tensor, ...], travelling: Tensor | None) -> None:
         others = own if travelling is None else travelling
@@ -221,7 +229,7 @@ def states(run: _Run, keep: bool) -> Tensor:
         family.merge_(own, home)
         return own
     run.tile_state = run.transport.complete(own, counts, family.merged)
-    start = run.transport.own_start
+    start = run.transport.own_start_of(EVERY_RANK) or 0
     return run.tile_state[start : start + run.queries.shape[0]]
 
 

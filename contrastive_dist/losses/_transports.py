@@ -113,6 +113,11 @@ class RingBlocks(NamedTuple):
 
     ring: Ring
 
+    @property
+    def rank(self) -> int:
+        """The rank in the ring's group."""
+        return self.ring.rank
+
     def own_start_of(self, owner: int) -> int | None:
         """0 on this rank's own block, ``None`` on another rank's."""
         return 0 if owner == self.ring.rank else None
@@ -179,7 +184,7 @@ class Columns(NamedTuple):
     weights: Tensor | None = None
 
     def block(self) -> Block:
-        """This rank's block as it travels: the features, then their keys."""
+        """The block of this rank as it travels: the features, then their keys."""
         return (self.features,) if self.keys is None else (self.features, self.keys)
 
     def block_rows(self) -> list[tuple[int, ...]]:
@@ -188,7 +193,7 @@ class Columns(NamedTuple):
 
 
 def meet(communication: str, layout: Layout, own: Sequence[Tensor], *, per_sample: int = 1) -> tuple[Tensor, ...]:
-    """This rank's ``own`` columns (``n_r`` samples, ``per_sample`` rows each) as the mode meets them.
+    """The columns ``own`` of this rank (``n_r`` samples, ``per_sample`` rows each) as the mode meets them.
 
     ``"gather"`` gathers every rank's ``own`` now (one collective per dtype, with the agreed sizes);
     ``"ring"`` keeps them here and lets the driver pass them round.
@@ -229,8 +234,10 @@ CPU_CHUNK_ROWS = 256
 
 
 def default_chunk(rows: int, columns: int, budget: int = BLOCK_LOGITS, least: int = 64) -> int:
-    """Rows a chunk when ``chunk_size=None``: every row if the block holds at most ``budget`` logits, else the
-    most rows under that, in multiples of 64, and at least ``least``.
+    """Rows a chunk when ``chunk_size=None``.
+
+    Every row if the block holds at most ``budget`` logits, else the most rows under that, in multiples of
+    64, and at least ``least``.
 
     Example:
         >>> default_chunk(4096, 4096), default_chunk(8192, 65536), default_chunk(10, 0)

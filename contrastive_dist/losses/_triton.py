@@ -62,6 +62,7 @@ from torch import Tensor
 
 from contrastive_dist.losses import _triton_kernels as kernels
 from contrastive_dist.losses import _triton_launch as launch
+from contrastive_dist.losses._epilogue import EPILOGUE_VARIABLE
 
 __all__ = [
     "EPILOGUE_VARIABLE",
@@ -73,9 +74,6 @@ __all__ = [
     "traffic",
 ]
 
-EPILOGUE_VARIABLE = "CONTRASTIVE_DIST_EPILOGUE"
-"""``auto`` / unset: the Triton epilogues on CUDA tensors, the eager chain elsewhere; ``eager``: never
-Triton; ``triton``: Triton wherever it runs, CPU tensors included when ``TRITON_INTERPRET=1``."""
 _CHOICES = ("auto", "eager", "triton")
 
 

@@ -1,18 +1,15 @@
 """One visit of the driver: a chunk of rows against a block of columns — its product, epilogue and gradient.
 
-A visit forms its product once. Its *epilogue* turns the product into the rows' partial state
-(:func:`states_of`, the driver's first pass) and, from the final states, into the logit gradient ``G``
-(:func:`gradients_of`, the second); :func:`accumulate` then adds every input's gradient from ``G``: the
-queries' ``G K``, the keys' ``Gᵀ Q``, the bias's ``Σ G`` (the scale's once, at the end).
-:class:`Eager` is the reference epilogue, the family's functions on the logits; the fused Triton ops
-(:class:`._epilogue.Fused`, CUDA) compute the same numbers from the raw product. :func:`epilogue_for`
-chooses, once per call. Every matrix product of the losses is issued here (:func:`product`,
-:func:`add_product_`), in the dtypes :mod:`._options` sets.
+A visit forms its product once. Its epilogue (:mod:`._epilogue`) turns the product into the rows' partial
+state (:func:`states_of`, the driver's first pass) and, from the final states, into the logit gradient
+``G`` (:func:`gradients_of`, the second); :func:`accumulate` then adds every input's gradient from ``G``:
+the queries' ``G K``, the keys' ``Gᵀ Q``, the bias's ``Σ G`` (the scale's once, at the end). Every matrix
+product of the losses is issued here (:func:`product`, :func:`add_product_`), in the dtypes
+:mod:`._options` sets.
 """
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -20,12 +17,14 @@ from torch import Tensor
 
 from contrastive_dist.losses._options import out_dtype_products, upcast
 from contrastive_dist.losses._targets import Indices
+from contrastive_dist.losses._transports import LOCAL, chunks
 
 if TYPE_CHECKING:
-    from contrastive_dist.losses._families import Family
+    from contrastive_dist.losses._driver import _Run
+    from contrastive_dist.losses._epilogue import Epilogue
 
-__all__ = ["Eager", "Epilogue", "Grads", "Kept", "Side", "Visit", "accumulate", "add_product_", "epilogue_for",
-           "gradients_of", "product", "states_of"]  # fmt: skip
+__all__ = ["Grads", "Kept", "Side", "Visit", "accumulate", "add_product_", "block_visits", "gradients_of", "half",
+           "product", "states_of"]  # fmt: skip
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -60,107 +59,63 @@ class Visit(NamedTuple):
     key_grad: Tensor | None
 
 
-class Epilogue:
-    """What a visit's product goes through: :class:`Eager`'s interface, and the fused epilogue's."""
+def block_visits(run: _Run, owner: int, block: tuple[Tensor, ...], column_state: Tensor | None,
+             grads: Grads | None, key_grad: Tensor | None, weights: Tensor | None,
+             column_weights: Tensor | float = 1.0) -> list[Visit]:  # fmt: skip
+    """The chunks of a run's rows that meet ``owner``'s block (an empty block: none), each a :class:`Visit`.
 
-    def product(self, queries: Tensor, keys: Tensor) -> Tensor:
-        """The visit's one product ``(c, m)``."""
-        raise NotImplementedError
-
-    def transposed(self, product: Tensor, width: int) -> Tensor:
-        """The first ``width`` columns of ``product`` seen as rows ``(width, c)``: a column side's values."""
-        raise NotImplementedError
-
-    def state(self, values: Tensor, indices: Indices) -> Tensor:
-        """The rows' state over this visit alone ``(c, width)`` (eager: ``values`` become numerators)."""
-        raise NotImplementedError
-
-    def state_and_gradient(self, values: Tensor, indices: Indices, weights: Tensor | float, *, keep: bool = False
-                           ) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
-        """The state of rows complete after this visit, their ``G`` and (fused sigmoid) ``Σ_j G_ij``.
-
-        ``keep``: ``values`` are read again afterwards (a column side).
-        """
-        raise NotImplementedError
-
-    def gradient(self, values: Tensor, indices: Indices, state: Tensor, weights: Tensor | float,
-                 partial: Tensor | None, *, keep: bool) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-        """``G`` from the rows' final ``state``, and ``Σ_j G_ij`` or ``None``; ``partial``: ``values`` are
-        pass 1's numerators against it; ``keep``: ``values`` are read again afterwards.
-        """
-        raise NotImplementedError
-
-    def add_column_gradient(self, logit_grad: Tensor, values: Tensor, indices: Indices, state: Tensor,
-                            weights: Tensor | float, partial: Tensor | None) -> None:  # fmt: skip
-        """``G[:, :width] += G_columnsᵀ``: a column side's gradient from its final ``state``."""
-        raise NotImplementedError
-
-    def slice_rows(self, rows: int, columns: int, *, keep: bool) -> int:
-        """Rows of a visit whose ``G`` is formed at once in pass 2 (``keep``: the product is read again)."""
-        return rows
-
-
-class Eager(Epilogue):
-    """The reference epilogue: the family's functions on the logits ``s · Q Kᵀ (+ b)``, in place."""
-
-    def __init__(self, family: Family, scale: Tensor, bias: Tensor | None) -> None:
-        self.family, self.scale, self.bias = family, scale, bias
-
-    def product(self, queries: Tensor, keys: Tensor) -> Tensor:
-        if _half(queries, keys) or queries.dtype != keys.dtype:
-            logits = product(queries, keys.T).mul_(self.scale)  # the scale in float32, after the product
-            return logits if self.bias is None else logits.add_(self.bias)
-        if self.bias is None:  # the scale folded into the smaller operand: no pass over the logits
-            return (queries * self.scale) @ keys.T
-        return torch.addmm(self.bias.expand(1, 1), queries * self.scale, keys.T)
-
-    def transposed(self, product: Tensor, width: int) -> Tensor:
-        # A copy laid out like the logits: its gradient adds back onto theirs in one plain pass.
-        return product[:, :width].clone().T
-
-    def state(self, values: Tensor, indices: Indices) -> Tensor:
-        targets = indices.targets()
-        return self.family.block_state_(values, targets, targets.positive_mask(values))
-
-    def state_and_gradient(self, values: Tensor, indices: Indices, weights: Tensor | float, *, keep: bool = False
-                           ) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
-        targets = indices.targets()
-        mask = targets.positive_mask(values)
-        state = self.family.block_state_(values, targets, mask)
-        return state, self.family.gradient_(values, state, targets, mask, weights), None
-
-    def gradient(self, values: Tensor, indices: Indices, state: Tensor, weights: Tensor | float,
-                 partial: Tensor | None, *, keep: bool) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-        targets = indices.targets()
-        mask = targets.positive_mask(values)
-        if partial is None:
-            self.family.numerators_(values, state, targets, mask)
-        else:
-            self.family.rebase_(values, partial, state)
-        return self.family.gradient_(values, state, targets, mask, weights), None
-
-    def add_column_gradient(self, logit_grad: Tensor, values: Tensor, indices: Indices, state: Tensor,
-                            weights: Tensor | float, partial: Tensor | None) -> None:  # fmt: skip
-        column_grad, _ = self.gradient(values, indices, state, weights, partial, keep=False)
-        logit_grad[:, : column_grad.shape[0]] += column_grad.T
-
-
-def epilogue_for(family: Family, queries: Tensor, keys: Tensor, scale: Tensor, bias: Tensor | None) -> Epilogue:
-    """The epilogue of a call: the fused Triton ops where they serve (:func:`._epilogue.fused`), else :class:`Eager`.
-
-    The one place the fast or eager choice is made; CPU tensors take Triton's interpreter only when asked.
+    ``column_state``: pass 1's running state of the block's own columns (symmetric); ``None`` in pass 2,
+    which reads their final states (ring mode: travelling with the block, their weights beside them).
     """
-    if queries.is_cuda or os.environ.get("CONTRASTIVE_DIST_EPILOGUE") == "triton":
-        from contrastive_dist.losses import _epilogue
+    rows, features, width, column_positive = run.problem.rows, block[0], 0, None
+    column_keys = block[1] if len(block) > 1 and (run.columns.keys is not None or owner == LOCAL) else None
+    if features.shape[0] == 0 or run.queries.shape[0] == 0:
+        return []
+    own_start = None if owner == LOCAL else run.transport.own_start_of(owner)
+    positive, excluded = (None if index is None or own_start is None else index + own_start
+                          for index in (rows.positive, rows.excluded))  # fmt: skip
+    if run.symmetric and owner != LOCAL:
+        width = run.transport.columns_in(owner, run.own_losses)
+        column_positive = _column_positive(run, own_start, width)
+        if column_state is None and run.ring:  # (contiguous once a block, as the fused ops take them)
+            column_state, column_weights = block[-1][:, :-1].contiguous(), block[-1][:, -1].contiguous()
+        elif column_state is None:
+            column_state = run.column_state
+    visits = []
+    for start, stop in chunks(run.queries.shape[0], run.problem.chunk, features.shape[0], run.queries,
+                              run.symmetric and run.in_forward and not run.ring):  # fmt: skip
+        keys = None if rows.keys is None else rows.keys[start:stop]
+        block_indices = Indices(positive, excluded, rows.keys, column_keys, rows.key_rule, width=features.shape[0])
+        row_side = Side(block_indices.rows(start, stop), run.row_state[start:stop],
+                        1.0 if weights is None else weights[start:stop])
+        column_side = None
+        if width and column_state is not None:
+            own_keys = None if column_keys is None else column_keys[:width]
+            column_indices = Indices(column_positive, None, own_keys, keys, rows.key_rule, start, stop - start,
+                                     inside=False)  # fmt: skip
+            column_side = Side(column_indices, column_state, column_weights)
+        query_grad = None if grads is None or grads.query is None else grads.query[start:stop]
+        visits.append(Visit(run.queries[start:stop], features, row_side, column_side, query_grad, key_grad))
+    return visits
 
-        if _epilogue.fused(family, queries, keys):
-            return _epilogue.Fused(family, scale, bias, queries.dtype)
-    return Eager(family, scale, bias)
+
+def _column_positive(run: _Run, own_start: int | None, width: int) -> Tensor | None:
+    """The own columns' positive rows, placed at their columns of the block (the others': none)."""
+    positive = run.problem.rows.column_positive
+    if not width or positive is None or own_start is None:
+        return None
+    if own_start == 0 and positive.shape[0] == width:
+        return positive
+    placed = positive.new_full((width,), -1)
+    placed[own_start : own_start + positive.shape[0]] = positive
+    return placed
 
 
 class Kept(NamedTuple):
-    """A visit as pass 1 left it for pass 2: its product (eager: numerators against ``partial``) and its
-    column side's values (eager: numerators against ``column_partial``).
+    """A visit as pass 1 left it for pass 2.
+
+    Its product (eager: numerators against ``partial``) and its column side's values (eager: numerators
+    against ``column_partial``).
     """
 
     product: Tensor
@@ -171,8 +126,10 @@ class Kept(NamedTuple):
 
 def states_of(epilogue: Epilogue, visit: Visit, grads: Grads | None, kept: list[Kept] | None
               ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-    """Pass 1 of a visit: its rows' (and column side's) partial states; with ``grads`` (the rows' states are
-    final after it, no column side), ``G`` and its products too; ``kept``: the visit is kept for pass 2.
+    """Pass 1 of a visit: its rows' (and column side's) partial states.
+
+    With ``grads`` (the rows' states are final after it, no column side), ``G`` and its products too;
+    ``kept``: the visit is kept for pass 2.
     """
     columns = visit.columns
     product = epilogue.product(visit.queries, visit.keys)
@@ -257,14 +214,16 @@ def accumulate(logit_grad: Tensor, visit: Visit, grads: Grads, row_sums: Tensor 
         else:  # each costs a launch, as much as a small chunk's work on a GPU: added once at the end
             grads.sums.append(row_sums)
     queries, keys = visit.queries, visit.keys
-    half = _half(queries, keys)
-    if not half and queries.dtype != keys.dtype:  # a block held here in another dtype (a float32 queue)
+    halves = half(queries, keys)
+    if not halves and queries.dtype != keys.dtype:  # a block held here in another dtype (a float32 queue)
         queries, keys = upcast(queries), upcast(keys)
-    factor, unscale = _rounded(logit_grad, queries.dtype) if half else (logit_grad, None)
+    factor, unscale = _rounded(logit_grad, queries.dtype) if halves else (logit_grad, None)
     for accumulator, first, second in ((visit.key_grad, factor.T, queries), (visit.query_grad, factor, keys)):
-        if accumulator is not None and unscale is None:
+        if accumulator is None:
+            continue
+        if unscale is None:
             add_product_(accumulator, first, second)
-        elif accumulator is not None:
+        else:
             accumulator.add_(product(first, second).mul_(unscale))
 
 
@@ -277,7 +236,7 @@ def _rounded(logit_grad: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | N
     return torch.mul(logit_grad, torch.exp2(-power)).to(dtype), torch.exp2(power)
 
 
-def _half(queries: Tensor, keys: Tensor) -> bool:
+def half(queries: Tensor, keys: Tensor) -> bool:
     """Whether a visit's products take half operands: both sides in one half dtype (see :mod:`._options`)."""
     return queries.dtype == keys.dtype and queries.dtype in _HALF
 

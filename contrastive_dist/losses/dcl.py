@@ -69,7 +69,8 @@ def dcl(
     call = begin(own, Common(operation="dcl", logit_scale=logit_scale, temperature=temperature, chunk_size=chunk_size,
                              group=group, sizes=sizes, weight=weight, reduction=reduction,
                              communication=communication, ids=ids),
-                 inputs=(z1, z2, positive_weight), options={"sigma": sigma, "positive_weight": positive_weight is not None})  # fmt: skip
+                 inputs=(z1, z2, positive_weight),
+                 options={"sigma": sigma, "positive_weight": positive_weight is not None})  # fmt: skip
     first, second, sigma_, given = call.own
     start, samples = call.layout.offset, first.shape[0]
     with full_precision(first.device):

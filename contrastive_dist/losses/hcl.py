@@ -128,8 +128,9 @@ def debiased_rows(hardness: Tensor, positive: Tensor, count: Tensor, scale: Tens
 
 
 def negatives_per_anchor(call: Call[tuple[Tensor, Tensor]], views: Tensor) -> Tensor:
-    """``M_a`` of each of this rank's anchors: every other view of the global batch but its sample's (with ids:
-    but those of every sample that shares its id). Shape: ``(2 n_r,)``, in the views' dtype.
+    """``M_a`` of each of this rank's anchors: the views of the global batch but its sample's.
+
+    With ids, but those of every sample that shares its id. Shape: ``(2 n_r,)``, in the views' dtype.
     """
     samples = sum(call.layout.sizes)
     if call.ids is None:
