@@ -5,8 +5,8 @@ every candidate of the global batch (every positive and hard negative of every r
 optional extra directions (query→query, doc→query, doc→doc), one softmax over them (``"joint"``)
 or one per direction averaged (``"per_direction"``), and the optional hardness penalty. The
 columns come from the package's differentiable gather, whose backward returns each row's gradient
-summed over every rank to its owner; each rank returns ``(W / N) · Σ ℓ_i`` over its own rows, the
-[gradient contract][gradient-contract].
+summed over every rank to its owner; each rank's gradient is that of ``(W / N) · Σ ℓ_i`` over its own
+rows, the [gradient contract][gradient-contract], and its value the global loss.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from contrastive_dist.engine._agreement import Layout
 from contrastive_dist.engine.gather import all_gather_many
+from contrastive_dist.losses._global_value import global_mean
 
 __all__ = ["RankingOptions", "check_ranking_options", "ranking_loss"]
 
@@ -64,7 +66,7 @@ def check_ranking_options(
 
 
 def ranking_loss(columns: Sequence[Tensor], options: RankingOptions, group: ProcessGroup | None = None) -> Tensor:
-    """The share of this rank in the global ranking loss of ``columns`` = (anchors, positives, *hard negatives).
+    """The global ranking loss of ``columns`` = (anchors, positives, *hard negatives); gradient: this rank's share.
 
     Shape:
         columns: ``(n_r, D)`` each (at least two); output: ``()``.
@@ -99,9 +101,8 @@ def ranking_loss(columns: Sequence[Tensor], options: RankingOptions, group: Proc
         log_z = torch.logsumexp(torch.cat(list(scores.values()), dim=1), dim=1)
     else:
         log_z = torch.stack([torch.logsumexp(value, dim=1) for value in scores.values()]).mean(0)
-    world = len(gathered.sizes)
-    # Σ over this rank's rows of (W / N): mean over ranks = the global mean (0, still connected, when N = 0).
-    return (log_z - positive).sum() * (world / max(total, 1))
+    layout = Layout(gathered.rank, len(gathered.sizes), gathered.sizes, (0,) * len(gathered.sizes), None, group)
+    return global_mean((log_z - positive).sum(), layout, total)
 
 
 def _hardness_penalty(query_to_doc: Tensor, own_docs: Tensor, total: int, options: RankingOptions) -> Tensor | None:

@@ -9,7 +9,8 @@ columns, targets and directions. The frame runs the rest, in this order:
 2. :meth:`Call.keys`: ids (or labels) as the kernel compares them, decided alike on every rank;
 3. :meth:`Call.meet`: this rank's columns through the chosen transport;
 4. :meth:`Call.pairs` and :meth:`Call.pair_sum`: the kernel call, ``Σ_i w_i ℓ_i`` (or the ``ℓ_i``);
-5. :meth:`Call.share`: this rank's share of the global mean (the gradient contract), or the rows.
+5. :meth:`Call.share`: the global mean as value, this rank's share of it as gradient (the gradient
+   contract), or the rows.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from contrastive_dist._dist import is_distributed
 from contrastive_dist._validation import collect
 from contrastive_dist.engine._agreement import Layout, agree
 from contrastive_dist.losses._columns import Columns, meet
+from contrastive_dist.losses._global_value import global_mean
 from contrastive_dist.losses._kernel import Family, Pairs
 from contrastive_dist.losses._options import (
     Communication,
@@ -42,7 +44,7 @@ from contrastive_dist.losses._options import (
     resolve_scale,
 )
 from contrastive_dist.losses._precision import compute_dtype
-from contrastive_dist.losses._reduction import Direction, mean_over_directions, mean_share, weight_total
+from contrastive_dist.losses._reduction import Direction, mean_over_directions, weight_total
 from contrastive_dist.losses._targets import SMALL_KEYS, RowTargets, comparable_keys, small_keys_flag
 
 __all__ = ["Call", "Common", "begin"]
@@ -128,14 +130,16 @@ class Call(Generic[Own]):
         direction = Direction(queries, keys, self.scale, bias, pairs)
         return mean_over_directions([direction], weights=weights, per_row=self.per_row)
 
-    def share(self, value: Tensor, denominator: Tensor | int | None = None) -> Tensor:
-        """The share of this rank in the global mean of ``value`` summed over the ranks (the gradient contract).
+    def share(self, value: Tensor, *, local_denominator: Tensor | None = None) -> Tensor:
+        """The global mean of ``value`` summed over the ranks; its gradient: this rank's share (the contract).
 
-        ``denominator``: the global weight total or row count, default the agreed one.
+        ``local_denominator``: this rank's part of a denominator only the ranks' sum gives; default the
+        agreed weight total or row count.
         """
-        if denominator is None:
-            denominator = sum(self.layout.sizes) if self.layout.total is None else self.layout.total
-        return mean_share(value, self.layout, denominator)
+        if local_denominator is not None:
+            return global_mean(value, self.layout, local_denominator=local_denominator)
+        total = self.layout.total
+        return global_mean(value, self.layout, sum(self.layout.sizes) if total is None else total)
 
 
 def begin(

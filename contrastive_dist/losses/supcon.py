@@ -16,7 +16,6 @@ from contrastive_dist.losses._kernel import SOFTMAX
 from contrastive_dist.losses._module import HeldOptions
 from contrastive_dist.losses._options import Communication, Reduction
 from contrastive_dist.losses._precision import full_precision, operands
-from contrastive_dist.losses._reduction import all_reduced
 from contrastive_dist.losses._targets import RowTargets
 
 __all__ = ["SupConLoss", "supcon"]
@@ -125,8 +124,7 @@ def supcon(
         return value.view(checked.shape[:-1])  # 0 for an anchor without positives
     # The mean runs over the anchors with positives (weighted): a count only the blocks reveal.
     counted = has_positives.to(value.dtype)
-    denominator = all_reduced((counted if anchor_weights is None else counted * anchor_weights).sum(), call.layout)
-    return call.share(value, denominator)
+    return call.share(value, local_denominator=(counted if anchor_weights is None else counted * anchor_weights).sum())
 
 
 def _check_labels(labels: object, batch_size: int) -> None:
