@@ -1,8 +1,8 @@
 """The cached drop-in against sentence-transformers' own CachedMultipleNegativesRankingLoss on a tiny BERT.
 
-The model is built here, offline: a random-init one-layer ``BertModel`` and a word-level tokenizer
-from a small vocabulary, saved to a temporary folder and loaded through sentence-transformers'
-``Transformer`` and ``Pooling`` modules. Texts of different lengths, so that each mini-batch is cut
+The model is built here, offline (``tests/tiny_bert.py``): a random-init one-layer ``BertModel`` and a
+word-level tokenizer from a small vocabulary, loaded through sentence-transformers' ``Transformer`` and
+``Pooling`` modules. Texts of different lengths, so that each mini-batch is cut
 to its own width (as sentence-transformers does). Also ``grad_cache`` on the bare Hugging Face model:
 keyword inputs, a dict output, equal to the plain full batch in float64.
 """
@@ -20,36 +20,21 @@ pytest.importorskip("transformers")
 
 from sentence_transformers import SentenceTransformer  # noqa: E402
 from sentence_transformers.sentence_transformer import losses as st_losses  # noqa: E402
-from sentence_transformers.sentence_transformer.modules import Pooling, Transformer  # noqa: E402
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import BertConfig, BertModel, PreTrainedTokenizerFast  # noqa: E402
+from tiny_bert import TEXTS, save_tiny_bert, sentence_model  # noqa: E402
+from transformers import BertModel, PreTrainedTokenizerFast  # noqa: E402
 
 from contrastive_dist import grad_cache  # noqa: E402
 from contrastive_dist.compat.sentence_transformers import CachedMultipleNegativesRankingLoss  # noqa: E402
 
-WORDS = "[PAD] [UNK] [CLS] [SEP] [MASK] a b c d e f g h i j k l m n o p".split()
-TEXTS = ["a b c d e f", "g", "h i", "j k l m n o p a", "b c", "d", "e f g h", "i j k"]
-
 
 @pytest.fixture(scope="module")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny_bert")
-    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                            sep_token="[SEP]", mask_token="[MASK]").save_pretrained(path)
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(WORDS), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)
-    BertModel(config).save_pretrained(path)
-    return path
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny_bert"))
 
 
-@pytest.fixture(scope="module")
-def sentence_model(tiny_model_path: Path) -> SentenceTransformer:
-    transformer = Transformer(str(tiny_model_path))
-    return SentenceTransformer(modules=[transformer, Pooling(16, "mean")], device="cpu").double()
+@pytest.fixture(scope="module", name="sentence_model")
+def double_sentence_model(tiny_model_path: Path) -> SentenceTransformer:
+    return sentence_model(tiny_model_path).double()  # type: ignore[attr-defined,no-any-return]
 
 
 @pytest.mark.parametrize(("mini_batch_size", "directions"), [

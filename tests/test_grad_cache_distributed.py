@@ -126,7 +126,8 @@ def _bad_input_on_one_rank(rank: int, world_size: int) -> dict[str, object]:
         "leading sizes": lambda: grad_cache(sync, x, x[:1] if rank == 2 else x, mini_batch_size=2),
         "not a tensor": lambda: grad_cache(sync, x.tolist() if rank == 0 else x, mini_batch_size=2),
         "different mini_batch_size": lambda: grad_cache(sync, x, mini_batch_size=2 + rank),
-        "output rows": lambda: grad_cache(Doubled(), x, mini_batch_size=2),
+        # Its SyncBatchNorm is not a submodule (held by the closure): synchronized=True says it runs collectives.
+        "output rows": lambda: grad_cache(Doubled(), x, mini_batch_size=2, synchronized=True),
         # The third global mini-batch holds 1 + 0 + 0 rows: SyncBatchNorm raises on every rank.
         "synchronized BatchNorm": lambda: grad_cache(flat_sync, x, mini_batch_size=2),
         # Only rank 0's third mini-batch holds 1 row: a per-rank BatchNorm raises there alone.

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -21,10 +22,40 @@ from contrastive_dist.engine._agreement import Layout
 from contrastive_dist.engine.gather import all_gather_many
 from contrastive_dist.losses._global_value import global_mean
 
-__all__ = ["RankingOptions", "check_ranking_options", "ranking_loss"]
+__all__ = ["RankingOptions", "check_ranking_options", "cos_sim", "dot_score", "ranking_loss"]
 
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 HARDNESS = (None, "in_batch_negatives", "hard_negatives", "all_negatives")
+
+
+def cos_sim(a: Tensor, b: Tensor) -> Tensor:
+    """Cosine similarity of every row of ``a`` with every row of ``b`` (sentence-transformers' default).
+
+    Shape:
+        a: ``(n, D)``; b: ``(m, D)``; output: ``(n, m)``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_dist.compat.sentence_transformers import cos_sim
+        >>> cos_sim(torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0, 0.0], [0.0, 3.0]]))
+        tensor([[1., 0.]])
+    """
+    return F.normalize(a, p=2, dim=1) @ F.normalize(b, p=2, dim=1).T
+
+
+def dot_score(a: Tensor, b: Tensor) -> Tensor:
+    """Dot product of every row of ``a`` with every row of ``b``.
+
+    Shape:
+        a: ``(n, D)``; b: ``(m, D)``; output: ``(n, m)``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_dist.compat.sentence_transformers import dot_score
+        >>> dot_score(torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 4.0]]))
+        tensor([[11.]])
+    """
+    return a @ b.T
 
 
 class RankingOptions:
@@ -34,6 +65,7 @@ class RankingOptions:
         self,
         scale: float,
         similarity_fct: Callable[[Tensor, Tensor], Tensor],
+        gather_across_devices: bool,
         directions: Sequence[str],
         partition_mode: str,
         hardness_mode: str | None,
@@ -41,6 +73,7 @@ class RankingOptions:
     ) -> None:
         check_ranking_options(scale, directions, partition_mode, hardness_mode, hardness_strength)
         self.scale, self.similarity_fct, self.directions = float(scale), similarity_fct, tuple(directions)
+        self.gather_across_devices = gather_across_devices
         self.partition_mode, self.hardness_mode = partition_mode, hardness_mode
         self.hardness_strength = hardness_strength
 
