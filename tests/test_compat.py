@@ -83,13 +83,15 @@ def test_clip_output_dict_and_bias_are_open_clips() -> None:
     (lambda: NTXentLoss(temperature=0.0), "temperature must be > 0, got 0.0"),
     (lambda: NTXentLoss(memory_bank_size=16), r"memory_bank_size must be 0 \(no bank\) or a \(num_features, dim\)"),
     (lambda: NTXentLoss(memory_bank_size=(-1, 4)), "non-negative entries"),
-    (lambda: MultipleNegativesRankingLoss(torch.nn.Identity(), scale=0.0), "scale must be > 0"),
+    (lambda: MultipleNegativesRankingLoss(torch.nn.Identity(), scale=0.0), "Scale must be a positive value, got 0.0"),
     (lambda: MultipleNegativesRankingLoss(torch.nn.Identity(), directions=("doc_to_query",)), "'query_to_doc'"),
     (lambda: MultipleNegativesRankingLoss(torch.nn.Identity(), directions=("query_to_doc", "doc_to_doc"),
                                           partition_mode="per_direction"), "needs every direction"),
     (lambda: MultipleNegativesRankingLoss(torch.nn.Identity(), hardness_mode="hard"), "hardness_mode must be"),
     (lambda: CachedMultipleNegativesRankingLoss(torch.nn.Identity(), mini_batch_num_tokens=100),
      "mini_batch_num_tokens is not supported"),
+    (lambda: CachedMultipleNegativesRankingLoss(torch.nn.Identity(), mini_batch_num_tokens=0),
+     "mini_batch_num_tokens must be a positive integer or None, got 0"),
 ])
 def test_options_that_would_change_the_result_are_refused(make_loss: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -10,6 +10,7 @@ keyword inputs, a dict output, equal to the plain full batch in float64.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,60 @@ def test_grad_cache_of_a_hugging_face_model_with_keywords_equals_the_full_batch(
         zero = torch.zeros_like(parameter)
         torch.testing.assert_close(zero if cached_grad is None else cached_grad,
                                    zero if plain_grad is None else plain_grad, rtol=1e-10, atol=1e-12)
+
+
+ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+CONFIGS = [{}, {"scale": 42.0, "directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction",
+                "hardness_mode": "in_batch_negatives", "hardness_strength": 9.0},
+           {"directions": ALL_DIRECTIONS, "gather_across_devices": True}]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("cached", [False, True])
+def test_drop_ins_carry_the_originals_attributes(
+    sentence_model: SentenceTransformer, config: dict, cached: bool
+) -> None:
+    from sentence_transformers.util import cos_sim
+
+    from contrastive_dist.compat import sentence_transformers as drop_ins
+
+    name = "CachedMultipleNegativesRankingLoss" if cached else "MultipleNegativesRankingLoss"
+    more = {"mini_batch_size": 4} if cached else {}
+    original = getattr(st_losses, name)(sentence_model, **config, **more)
+    ours = getattr(drop_ins, name)(sentence_model, **config, **more)
+    assert ours.get_config_dict() == original.get_config_dict()  # what the saved model card lists
+    for field in ("title", "eprint", "primaryClass"):  # the same paper in the BibTeX entry
+        pattern = field + r"=\{([^}]*)\}"
+        assert re.findall(pattern, ours.citation) == re.findall(pattern, original.citation), field
+    assert ours.temperature == pytest.approx(original.temperature)
+    for attribute in ("scale", "gather_across_devices", "directions", "partition_mode", "hardness_mode",
+                      "hardness_strength", "uses_gradient_cache", "mini_batch_size", "mini_batch_num_tokens"):
+        assert getattr(ours, attribute, None) == getattr(original, attribute, None), attribute
+    ours.scale, ours.similarity_fct = 5.0, torch.nn.CosineSimilarity(dim=-1)  # assignable, as there
+    assert (ours.scale, ours.temperature, ours.get_config_dict()["similarity_fct"]) == (5.0, 0.2, "CosineSimilarity")
+    assert "similarity_fct" not in ours._modules
+    if cached:
+        assert ours.loss.scale == 5.0 and callable(ours.calculate_loss) and callable(ours.embed_minibatch)
+    ours.similarity_fct = cos_sim  # the original's own function: the same name in the config
+    assert ours.get_config_dict()["similarity_fct"] == "cos_sim"
+
+
+def test_matryoshka_takes_the_cached_drop_in_and_adaptive_layer_warns_as_for_the_original(
+    sentence_model: SentenceTransformer,
+) -> None:
+    results = []
+    for cls in (st_losses.CachedMultipleNegativesRankingLoss, CachedMultipleNegativesRankingLoss):
+        model = copy.deepcopy(sentence_model)
+        loss = st_losses.MatryoshkaLoss(model, cls(model, mini_batch_size=3), matryoshka_dims=[16, 8, 4])
+        columns = [model.preprocess(TEXTS), model.preprocess(TEXTS[::-1]), model.preprocess(TEXTS[1:] + TEXTS[:1])]
+        value = loss(columns, torch.zeros(len(TEXTS)))
+        value.backward()
+        results.append((value.detach(), {name: p.grad.clone() for name, p in model.named_parameters()
+                                          if p.grad is not None}))
+    (expected, expected_grads), (actual, grads) = results
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+    assert grads.keys() == expected_grads.keys() and len(grads) > 10
+    for name in grads:
+        torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+    with pytest.warns(UserWarning, match="AdaptiveLayerLoss is not compatible with CachedMultipleNegativesRankingLoss"):
+        st_losses.AdaptiveLayerLoss(sentence_model, CachedMultipleNegativesRankingLoss(sentence_model))

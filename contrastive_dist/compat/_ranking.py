@@ -83,7 +83,7 @@ def check_ranking_options(
 ) -> None:
     """Raise ``ValueError`` for an option sentence-transformers refuses, saying what is allowed."""
     if not scale > 0:
-        raise ValueError(f"scale must be > 0, got {scale}")
+        raise ValueError(f"Scale must be a positive value, got {scale}")  # sentence-transformers' words
     if not directions or not set(directions) <= set(DIRECTIONS) or "query_to_doc" not in directions:
         raise ValueError(f"directions must be a non-empty tuple of {DIRECTIONS} holding 'query_to_doc', got "
                          f"{directions!r}")

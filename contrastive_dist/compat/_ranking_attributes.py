@@ -24,15 +24,15 @@ OPTIONS = ("scale", "similarity_fct", "gather_across_devices", "directions", "pa
            "hardness_strength")
 
 
-def _bibtex(key: str, title: str, authors: list[str], year: int, eprint: str) -> str:
+def _bibtex(key: str, title: str, authors: list[str], year: int, eprint: str, primary: str = "cs.CL") -> str:
     """A BibTeX ``@misc`` entry of an arXiv paper, as sentence-transformers' model cards list them."""
     return (f"\n@misc{{{key},\n    title={{{title}}},\n    author={{{' and '.join(authors)}}},\n    year={{{year}}},\n"
-            f"    eprint={{{eprint}}},\n    archivePrefix={{arXiv}},\n    primaryClass={{cs.CL}}\n}}\n")
+            f"    eprint={{{eprint}}},\n    archivePrefix={{arXiv}},\n    primaryClass={{{primary}}}\n}}\n")
 
 
 GRADIENT_CACHE_CITATION = _bibtex(
     "gao2021scaling", "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup",
-    ["Luyu Gao", "Yunyi Zhang", "Jiawei Han", "Jamie Callan"], 2021, "2101.06983")
+    ["Luyu Gao", "Yunyi Zhang", "Jiawei Han", "Jamie Callan"], 2021, "2101.06983", "cs.LG")
 _ALL_DIRECTIONS = _bibtex(
     "li2023towards", "Towards General Text Embeddings with Multi-stage Contrastive Learning",
     ["Zehan Li", "Xin Zhang", "Yanzhao Zhang", "Dingkun Long", "Pengjun Xie", "Meishan Zhang"], 2023, "2308.03281")
@@ -43,7 +43,7 @@ _BOTH_WAYS = _bibtex(
     2023, "2310.19923")
 _INFO_NCE = _bibtex(
     "oord2018representation", "Representation Learning with Contrastive Predictive Coding",
-    ["Aaron van den Oord", "Yazhe Li", "Oriol Vinyals"], 2018, "1807.03748")
+    ["Aaron van den Oord", "Yazhe Li", "Oriol Vinyals"], 2018, "1807.03748", "cs.LG")
 
 
 def similarity_name(similarity_fct: Callable[[Tensor, Tensor], Tensor]) -> str:

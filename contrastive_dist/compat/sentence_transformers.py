@@ -193,6 +193,8 @@ class CachedMultipleNegativesRankingLoss(RankingAttributes):
         hardness_strength: float = 0.0,
     ) -> None:
         super().__init__()
+        if mini_batch_num_tokens is not None and not mini_batch_num_tokens > 0:  # sentence-transformers' check
+            raise ValueError(f"mini_batch_num_tokens must be a positive integer or None, got {mini_batch_num_tokens}")
         if mini_batch_num_tokens is not None:
             raise ValueError("mini_batch_num_tokens is not supported: every rank encodes the same number of "
                              f"mini-batches of mini_batch_size rows; got mini_batch_num_tokens={mini_batch_num_tokens}")

@@ -30,14 +30,18 @@ def inside_forward(wrapper: DistributedDataParallel, compute: Callable[[nn.Modul
     inner = wrapper.module
     shadowed = inner.__dict__.get("forward")  # an instance's own forward (a decorator's), put back after
 
+    def restore() -> None:
+        if shadowed is not None:
+            inner.forward = shadowed  # type: ignore[method-assign]
+        elif "forward" in inner.__dict__:
+            del inner.forward
+
     def forward(*_: Any, **__: Any) -> Result:
+        restore()  # the computation calls the inner module itself, with its own forward
         return compute(inner)
 
     inner.forward = forward  # type: ignore[method-assign]  # this one call: nn.Module.__call__ reads self.forward
     try:
         return wrapper()  # type: ignore[no-any-return]
     finally:
-        if shadowed is None:
-            del inner.forward
-        else:
-            inner.forward = shadowed  # type: ignore[method-assign]
+        restore()
