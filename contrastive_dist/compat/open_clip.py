@@ -229,7 +229,16 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Give ``open_clip.factory`` its own loss classes back (nothing to do if :func:`install` was not called)."""
+    """Give ``open_clip.factory`` its own loss classes back (nothing to do if :func:`install` was not called).
+
+    Example:
+        >>> import open_clip
+        >>> from contrastive_dist.compat import open_clip as drop_ins
+        >>> drop_ins.install()
+        >>> drop_ins.uninstall()
+        >>> open_clip.factory.SigLipLoss is open_clip.loss.SigLipLoss
+        True
+    """
     factory = sys.modules.get("open_clip.factory")
     if factory is not None:
         for name, original in _REPLACED.items():
