@@ -69,7 +69,7 @@ def run(folder: Path, files: list[str], drop_ins: bool) -> tuple[dict[str, int],
            "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT), str(ROOT / "tests")]), "HF_HUB_OFFLINE": "1"}
     paths = [f"tests/sentence_transformer/losses/{name}" for name in files]
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "-o",
-                             "addopts=", "--tb=line", *paths], cwd=folder, env=env, capture_output=True, text=True)
+                             "addopts=", "--tb=short", *paths], cwd=folder, env=env, capture_output=True, text=True)
     counts = {kind: int(number) for number, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?)",
                                                                result.stdout.splitlines()[-1])}
     failures = {}
