@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -44,10 +45,18 @@ def double_sentence_model(tiny_model_path: Path) -> SentenceTransformer:
 def test_cached_drop_in_equals_sentence_transformers_cached_loss(
     sentence_model: SentenceTransformer, mini_batch_size: int, directions: tuple[str, ...]
 ) -> None:
+    assert_the_drop_in_gives_the_originals(
+        sentence_model, lambda cls, model: cls(model, mini_batch_size=mini_batch_size, directions=directions))
+
+
+def assert_the_drop_in_gives_the_originals(
+    sentence_model: SentenceTransformer, make: Callable[[type, SentenceTransformer], torch.nn.Module]
+) -> None:
+    """``make(cls, model)`` with the original cached loss, then the drop-in: the same value and gradients."""
     results = []
     for cls in (st_losses.CachedMultipleNegativesRankingLoss, CachedMultipleNegativesRankingLoss):
         model = copy.deepcopy(sentence_model)
-        loss = cls(model, mini_batch_size=mini_batch_size, directions=directions)
+        loss = make(cls, model)
         columns = [model.preprocess(TEXTS), model.preprocess(TEXTS[::-1]), model.preprocess(TEXTS[1:] + TEXTS[:1])]
         value = loss(columns, torch.zeros(len(TEXTS)))
         value.backward()
@@ -118,19 +127,7 @@ def test_drop_ins_carry_the_originals_attributes(
 def test_matryoshka_takes_the_cached_drop_in_and_adaptive_layer_warns_as_for_the_original(
     sentence_model: SentenceTransformer,
 ) -> None:
-    results = []
-    for cls in (st_losses.CachedMultipleNegativesRankingLoss, CachedMultipleNegativesRankingLoss):
-        model = copy.deepcopy(sentence_model)
-        loss = st_losses.MatryoshkaLoss(model, cls(model, mini_batch_size=3), matryoshka_dims=[16, 8, 4])
-        columns = [model.preprocess(TEXTS), model.preprocess(TEXTS[::-1]), model.preprocess(TEXTS[1:] + TEXTS[:1])]
-        value = loss(columns, torch.zeros(len(TEXTS)))
-        value.backward()
-        results.append((value.detach(), {name: p.grad.clone() for name, p in model.named_parameters()
-                                          if p.grad is not None}))
-    (expected, expected_grads), (actual, grads) = results
-    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
-    assert grads.keys() == expected_grads.keys() and len(grads) > 10
-    for name in grads:
-        torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+    assert_the_drop_in_gives_the_originals(sentence_model, lambda cls, model: st_losses.MatryoshkaLoss(
+        model, cls(model, mini_batch_size=3), matryoshka_dims=[16, 8, 4]))
     with pytest.warns(UserWarning, match="AdaptiveLayerLoss is not compatible with CachedMultipleNegativesRankingLoss"):
         st_losses.AdaptiveLayerLoss(sentence_model, CachedMultipleNegativesRankingLoss(sentence_model))
