@@ -15,10 +15,10 @@ changes is the distributed result: open_clip gathers into buffers sized like the
 offsets labels by ``rank * batch_size``, so it needs the same batch size on every rank (uneven
 batches raise in its gather, or hang) and, with ``local_loss=True``, averages per rank, which DDP's
 gradient averaging turns into the global gradient only when every rank holds as many rows. Here
-every rank's rows meet every rank's columns and the per-rank value follows the
-[gradient contract][gradient-contract]: for any per-rank batch sizes, 0 included, the DDP gradient
-is that of the single-process loss over the concatenated batch. On one process the value and
-gradients are open_clip's.
+every rank's rows meet every rank's columns and the result follows the
+[gradient contract][gradient-contract]: for any per-rank batch sizes, 0 included, every rank returns
+the single-process loss over the concatenated batch (what open_clip's training script logs from
+rank 0) and the DDP gradient is its gradient. On one process the value and gradients are open_clip's.
 """
 
 from __future__ import annotations
