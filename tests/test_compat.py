@@ -137,3 +137,15 @@ def test_install_makes_open_clips_factory_build_the_drop_ins_and_refuses_coca_an
         drop_ins.uninstall()
     assert (open_clip.factory.ClipLoss, open_clip.factory.SigLipLoss) == originals
     assert type(open_clip.create_loss(args(model="coca_ViT-B-32"))).__name__ == "CoCaLoss"
+
+
+def test_importing_the_drop_ins_and_the_launcher_imports_none_of_the_originals() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, contrastive_dist.compat, contrastive_dist.compat.open_clip_train; "
+            "print(sorted(m for m in ('open_clip', 'open_clip_train', 'lightly', 'sentence_transformers') "
+            "if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
