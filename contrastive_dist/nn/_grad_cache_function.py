@@ -63,6 +63,10 @@ class CachePlan:
     rng_states: list[tuple[Tensor, list[Tensor]]] = field(default_factory=list)
     autocast: dict[str, dict[str, Any]] = field(default_factory=dict)
 
+    def encodes(self, start: int, stop: int) -> bool:
+        """Whether the mini-batch of rows ``start:stop`` is encoded (in forward, and again in backward)."""
+        return stop > start or self.encode_empty
+
 
 def _accelerators(tensors: Sequence[Tensor]) -> tuple[str | None, list[int]]:
     """The accelerator type and device indices whose random state the encodes may draw from."""
@@ -136,7 +140,7 @@ class GradCacheFunction(torch.autograd.Function):
         problem: Problem | None = None
         for start, stop in plan.bounds:
             plan.rng_states.append(_rng_state(kind, indices))
-            if start == stop and not plan.encode_empty:
+            if not plan.encodes(start, stop):
                 continue  # a real encoder may not take 0 rows, and nothing here needs the call
             # A rank with a problem keeps encoding: a collective inside the encoder (SyncBatchNorm)
             # must run as often on every rank. plan.settle raises it on all of them afterwards.
@@ -180,7 +184,7 @@ class GradCacheFunction(torch.autograd.Function):
         warned, encoded = False, False
         with torch.random.fork_rng(devices=ctx.indices, device_type=ctx.kind or "cuda"):
             for (start, stop), state in zip(plan.bounds, plan.rng_states):
-                if start == stop and not plan.encode_empty:
+                if not plan.encodes(start, stop):
                     continue
                 encoded = True
                 _set_rng_state(ctx.kind, ctx.indices, state)
