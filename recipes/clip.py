@@ -167,6 +167,15 @@ def webdataset_data(location: str, args: argparse.Namespace) -> tuple[Any, list[
     """Training shards streamed; the first ``--val-size`` samples of ``--val-data`` (or of the last shard) held out."""
     if args.max_steps <= 0 and args.optimizer == "adamw":
         raise ValueError("--data webdataset: has no length to plan the learning-rate schedule: give --max-steps")
+    try:
+        from importlib.metadata import version
+
+        found = version("webdataset")
+    except ImportError:
+        found = "none"
+    if found == "none" or tuple(int(part) for part in found.split(".")[:3]) < (0, 2, 96):
+        raise ValueError(f"--data webdataset: needs webdataset 0.2.96 or later (its tar reader keeps shards apart), "
+                         f"found {found}: pip install 'contrastive-dist[webdataset]'")
     urls, stages, val_set = shard_stream(location, held_out=args.val_data, held_out_size=args.val_size,
                                          transform=transforms(args)[0], held_out_transform=transforms(args)[1])
     return (urls, stages, val_set[0]), val_set
@@ -233,10 +242,10 @@ class CLIP(L.LightningModule):
         else:
             image, text = self.encode(images, tokens)
         scale = self.logit_scale.clamp(max=math.log(100)).exp()  # CLIP's clamp, inside the graph
-        # The mean over ranks of the per-rank losses is the single-process loss of the global batch; with
+        # Every rank gets the single-process loss of the global batch (its gradient: this rank's share); with
         # --caption-ids, pairs that share an id, on any rank, are not each other's negatives.
         loss = self.loss(image, text, scale, sizes=sizes, ids=None if self.args.caption_ids == "none" else ids)
-        self.log("train/loss", loss.detach(), sync_dist=True, prog_bar=True)
+        self.log("train/loss", loss.detach(), prog_bar=True)  # the global loss as it is: no sync_dist needed
         self.log_dict({"train/logit_scale": scale.detach(), "train/samples": float(sum(sizes))}, rank_zero_only=True)
         return loss
 

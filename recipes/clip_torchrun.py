@@ -228,6 +228,7 @@ def main() -> None:
             optimizer.step()
             step += 1
             if step % 50 == 0 and rank == 0:
+                # The global batch's loss: every rank's loss value is it (its gradient, the rank's share).
                 print(f"step {step}/{args.max_steps}  loss {loss.item():.3f}  ({time.perf_counter() - start:.0f} s)")
             if step % args.checkpoint_every == 0 or step == args.max_steps:
                 save(epoch, batch_index + 1)

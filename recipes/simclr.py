@@ -185,7 +185,7 @@ class SimCLR(L.LightningModule):
         projections = rearrange(flat, "(view n) d -> view n d", view=2)
         loss = (self.momentum_contrast(projections, views, sizes) if self.args.queue_size
                 else self.loss(projections[0], projections[1], sizes=sizes))
-        self.log("train/loss", loss.detach(), sync_dist=True, prog_bar=True)
+        self.log("train/loss", loss.detach(), prog_bar=True)  # the global batch's loss on every rank
         self.log("train/samples", float(sum(sizes)), rank_zero_only=True)
         return loss
 

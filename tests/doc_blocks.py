@@ -4,8 +4,8 @@ A block runs in one of two ways:
 
 * a **script** begins with ``# NAME.py — run with: COMMAND``: it is written to ``NAME.py`` and
   ``COMMAND`` runs it (``python`` is this interpreter, ``torchrun`` is ``python -m
-  torch.distributed.run``); it must exit 0, and a ``# prints: TEXT`` line in it says what its
-  output must contain (``...`` stands for any text);
+  torch.distributed.run``, ``accelerate`` accelerate's command line); it must exit 0, and a
+  ``# prints: TEXT`` line in it says what its output must contain (``...`` stands for any text);
 * every other block runs in this process, after the page's earlier blocks, in their namespace, as
   a reader running them one after the other in a Python session would.
 
@@ -84,7 +84,8 @@ def run_script(block: Block, directory: Path, timeout: float, *, forked: bool = 
     assert script is not None, block.where
     (directory / script["name"]).write_text(block.code, encoding="utf-8")
     command = shlex.split(script["command"])
-    launcher = {"python": [sys.executable], "torchrun": [sys.executable, "-m", "torch.distributed.run"]}
+    launcher = {"python": [sys.executable], "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+                "accelerate": [sys.executable, "-m", "accelerate.commands.accelerate_cli"]}
     if forked and command[0] == "python" and not command[1].startswith("-"):  # `python FILE.py`: a fork
         result = forked_runs().script(command[1:], cwd=directory, env=dict(os.environ), timeout=timeout)
     else:

@@ -83,13 +83,15 @@ def test_clip_output_dict_and_bias_are_open_clips() -> None:
     (lambda: NTXentLoss(temperature=0.0), "temperature must be > 0, got 0.0"),
     (lambda: NTXentLoss(memory_bank_size=16), r"memory_bank_size must be 0 \(no bank\) or a \(num_features, dim\)"),
     (lambda: NTXentLoss(memory_bank_size=(-1, 4)), "non-negative entries"),
-    (lambda: MultipleNegativesRankingLoss(torch.nn.Identity(), scale=0.0), "scale must be > 0"),
+    (lambda: MultipleNegativesRankingLoss(torch.nn.Identity(), scale=0.0), "Scale must be a positive value, got 0.0"),
     (lambda: MultipleNegativesRankingLoss(torch.nn.Identity(), directions=("doc_to_query",)), "'query_to_doc'"),
     (lambda: MultipleNegativesRankingLoss(torch.nn.Identity(), directions=("query_to_doc", "doc_to_doc"),
                                           partition_mode="per_direction"), "needs every direction"),
     (lambda: MultipleNegativesRankingLoss(torch.nn.Identity(), hardness_mode="hard"), "hardness_mode must be"),
     (lambda: CachedMultipleNegativesRankingLoss(torch.nn.Identity(), mini_batch_num_tokens=100),
      "mini_batch_num_tokens is not supported"),
+    (lambda: CachedMultipleNegativesRankingLoss(torch.nn.Identity(), mini_batch_num_tokens=0),
+     "mini_batch_num_tokens must be a positive integer or None, got 0"),
 ])
 def test_options_that_would_change_the_result_are_refused(make_loss: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -106,3 +108,44 @@ def test_lightly_negative_mises_fisher_weights_are_lightlys() -> None:
     for sigma in (1e-7, 0.5, 1e4):
         torch.testing.assert_close(negative_mises_fisher_weights(out0, out1, sigma), original(out0, out1, sigma),
                                    rtol=1e-12, atol=1e-12)
+
+
+def test_install_makes_open_clips_factory_build_the_drop_ins_and_refuses_coca_and_distillation() -> None:
+    from argparse import Namespace
+
+    import open_clip
+
+    from contrastive_dist.compat import open_clip as drop_ins
+
+    def args(**flags: object) -> Namespace:  # what open_clip_train's flags give create_loss
+        defaults = {"distill": False, "model": "ViT-B-32", "siglip": False, "local_loss": False,
+                    "gather_with_grad": False, "rank": 0, "world_size": 1, "horovod": False, "loss_dist_impl": None,
+                    "coca_caption_loss_weight": 2.0, "coca_contrastive_loss_weight": 1.0}
+        return Namespace(**{**defaults, **flags})
+
+    originals = (open_clip.factory.ClipLoss, open_clip.factory.SigLipLoss)
+    assert type(open_clip.create_loss(args())) is originals[0]  # the one-line import change does not reach it
+    drop_ins.install()
+    drop_ins.install()  # idempotent: uninstall still restores open_clip's own classes
+    try:
+        assert type(open_clip.create_loss(args(local_loss=True, gather_with_grad=True))) is drop_ins.ClipLoss
+        assert type(open_clip.create_loss(args(siglip=True))) is drop_ins.SigLipLoss
+        for flags, name in (({"model": "coca_ViT-B-32"}, "CoCaLoss"), ({"distill": True}, "DistillClipLoss")):
+            with pytest.raises(ValueError, match=f"open_clip's {name} .* has no exact drop-in in contrastive_dist"):
+                open_clip.create_loss(args(**flags))
+    finally:
+        drop_ins.uninstall()
+    assert (open_clip.factory.ClipLoss, open_clip.factory.SigLipLoss) == originals
+    assert type(open_clip.create_loss(args(model="coca_ViT-B-32"))).__name__ == "CoCaLoss"
+
+
+def test_importing_the_drop_ins_and_the_launcher_imports_none_of_the_originals() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, contrastive_dist.compat, contrastive_dist.compat.open_clip_train; "
+            "print(sorted(m for m in ('open_clip', 'open_clip_train', 'lightly', 'sentence_transformers') "
+            "if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"

@@ -1,7 +1,7 @@
 """Under DDP on gloo with shards [5, 0, 3] (float64), each drop-in equals its single-process loss on the whole batch.
 
-The mean over ranks of the per-rank values and the DDP-averaged gradients (encoder weights,
-``logit_scale``, ``logit_bias``) equal the single-process drop-in's on the concatenated batch, which
+Every rank's value (the global loss, what a trainer logs) and the DDP-averaged gradients (encoder
+weights, ``logit_scale``, ``logit_bias``) equal the single-process drop-in's on the concatenated batch, which
 the single-process tests show equal to the original's. The lightly memory bank runs four steps,
 the bank filled with every rank's keys in rank order. (The originals need equal batch sizes; what
 they do on this case is measured in ``benchmarks/compat_originals.py``.)
@@ -47,6 +47,7 @@ def _columns(kind: str) -> int:
 
 
 def _on_shards(rank: int, world_size: int) -> list[tuple[list[float], dict[str, torch.Tensor]]]:
+    """This rank's values (each step's) and the gradients averaged over the ranks, as DDP averages them."""
     start = sum(SHARDS[:rank])
     out = []
     for kind, options in CASES:
@@ -54,15 +55,10 @@ def _on_shards(rank: int, world_size: int) -> list[tuple[list[float], dict[str, 
         torch.manual_seed(7)
         loss = make(kind, "compat", options, data).double()
         values, grads = loss_and_grads(kind, loss, data, start, start + SHARDS[rank], steps=_steps(kind))
-        means = []
-        for value in values:
-            total = value.clone()
-            dist.all_reduce(total)
-            means.append(float(total) / world_size)
         for grad in grads.values():  # what DDP does: the mean over ranks
             dist.all_reduce(grad)
             grad /= world_size
-        out.append((means, grads))
+        out.append(([float(value) for value in values], grads))
     return out
 
 
@@ -73,9 +69,9 @@ def test_every_drop_in_is_exact_under_uneven_and_empty_ranks(pool: Callable[[int
         torch.manual_seed(7)
         loss = make(kind, "compat", options, data).double()
         values, grads = loss_and_grads(kind, loss, data, 0, sum(SHARDS), steps=_steps(kind))
-        for rank_values, rank_grads in (result[index] for result in per_rank):
+        for rank, (rank_values, rank_grads) in enumerate(result[index] for result in per_rank):
             torch.testing.assert_close(torch.tensor(rank_values, dtype=torch.float64), torch.stack(values),
-                                       rtol=1e-12, atol=1e-12, msg=f"{kind} {options}")
+                                       rtol=1e-12, atol=1e-12, msg=f"{kind} {options} rank {rank}")
             for name in grads:
                 torch.testing.assert_close(rank_grads[name], grads[name], rtol=1e-11, atol=1e-12,
                                            msg=f"{kind} {options} {name}")

@@ -1,8 +1,8 @@
 """The cached drop-in against sentence-transformers' own CachedMultipleNegativesRankingLoss on a tiny BERT.
 
-The model is built here, offline: a random-init one-layer ``BertModel`` and a word-level tokenizer
-from a small vocabulary, saved to a temporary folder and loaded through sentence-transformers'
-``Transformer`` and ``Pooling`` modules. Texts of different lengths, so that each mini-batch is cut
+The model is built here, offline (``tests/tiny_bert.py``): a random-init one-layer ``BertModel`` and a
+word-level tokenizer from a small vocabulary, loaded through sentence-transformers' ``Transformer`` and
+``Pooling`` modules. Texts of different lengths, so that each mini-batch is cut
 to its own width (as sentence-transformers does). Also ``grad_cache`` on the bare Hugging Face model:
 keyword inputs, a dict output, equal to the plain full batch in float64.
 """
@@ -10,6 +10,8 @@ keyword inputs, a dict output, equal to the plain full batch in float64.
 from __future__ import annotations
 
 import copy
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,36 +22,21 @@ pytest.importorskip("transformers")
 
 from sentence_transformers import SentenceTransformer  # noqa: E402
 from sentence_transformers.sentence_transformer import losses as st_losses  # noqa: E402
-from sentence_transformers.sentence_transformer.modules import Pooling, Transformer  # noqa: E402
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import BertConfig, BertModel, PreTrainedTokenizerFast  # noqa: E402
+from tiny_bert import TEXTS, save_tiny_bert, sentence_model  # noqa: E402
+from transformers import BertModel, PreTrainedTokenizerFast  # noqa: E402
 
 from contrastive_dist import grad_cache  # noqa: E402
 from contrastive_dist.compat.sentence_transformers import CachedMultipleNegativesRankingLoss  # noqa: E402
 
-WORDS = "[PAD] [UNK] [CLS] [SEP] [MASK] a b c d e f g h i j k l m n o p".split()
-TEXTS = ["a b c d e f", "g", "h i", "j k l m n o p a", "b c", "d", "e f g h", "i j k"]
-
 
 @pytest.fixture(scope="module")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny_bert")
-    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                            sep_token="[SEP]", mask_token="[MASK]").save_pretrained(path)
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(WORDS), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)
-    BertModel(config).save_pretrained(path)
-    return path
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny_bert"))
 
 
-@pytest.fixture(scope="module")
-def sentence_model(tiny_model_path: Path) -> SentenceTransformer:
-    transformer = Transformer(str(tiny_model_path))
-    return SentenceTransformer(modules=[transformer, Pooling(16, "mean")], device="cpu").double()
+@pytest.fixture(scope="module", name="sentence_model")
+def double_sentence_model(tiny_model_path: Path) -> SentenceTransformer:
+    return sentence_model(tiny_model_path).double()  # type: ignore[attr-defined,no-any-return]
 
 
 @pytest.mark.parametrize(("mini_batch_size", "directions"), [
@@ -58,10 +45,18 @@ def sentence_model(tiny_model_path: Path) -> SentenceTransformer:
 def test_cached_drop_in_equals_sentence_transformers_cached_loss(
     sentence_model: SentenceTransformer, mini_batch_size: int, directions: tuple[str, ...]
 ) -> None:
+    assert_the_drop_in_gives_the_originals(
+        sentence_model, lambda cls, model: cls(model, mini_batch_size=mini_batch_size, directions=directions))
+
+
+def assert_the_drop_in_gives_the_originals(
+    sentence_model: SentenceTransformer, make: Callable[[type, SentenceTransformer], torch.nn.Module]
+) -> None:
+    """``make(cls, model)`` with the original cached loss, then the drop-in: the same value and gradients."""
     results = []
     for cls in (st_losses.CachedMultipleNegativesRankingLoss, CachedMultipleNegativesRankingLoss):
         model = copy.deepcopy(sentence_model)
-        loss = cls(model, mini_batch_size=mini_batch_size, directions=directions)
+        loss = make(cls, model)
         columns = [model.preprocess(TEXTS), model.preprocess(TEXTS[::-1]), model.preprocess(TEXTS[1:] + TEXTS[:1])]
         value = loss(columns, torch.zeros(len(TEXTS)))
         value.backward()
@@ -91,3 +86,48 @@ def test_grad_cache_of_a_hugging_face_model_with_keywords_equals_the_full_batch(
         zero = torch.zeros_like(parameter)
         torch.testing.assert_close(zero if cached_grad is None else cached_grad,
                                    zero if plain_grad is None else plain_grad, rtol=1e-10, atol=1e-12)
+
+
+ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+CONFIGS = [{}, {"scale": 42.0, "directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction",
+                "hardness_mode": "in_batch_negatives", "hardness_strength": 9.0},
+           {"directions": ALL_DIRECTIONS, "gather_across_devices": True}]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("cached", [False, True])
+def test_drop_ins_carry_the_originals_attributes(
+    sentence_model: SentenceTransformer, config: dict, cached: bool
+) -> None:
+    from sentence_transformers.util import cos_sim
+
+    from contrastive_dist.compat import sentence_transformers as drop_ins
+
+    name = "CachedMultipleNegativesRankingLoss" if cached else "MultipleNegativesRankingLoss"
+    more = {"mini_batch_size": 4} if cached else {}
+    original = getattr(st_losses, name)(sentence_model, **config, **more)
+    ours = getattr(drop_ins, name)(sentence_model, **config, **more)
+    assert ours.get_config_dict() == original.get_config_dict()  # what the saved model card lists
+    for field in ("title", "eprint", "primaryClass"):  # the same paper in the BibTeX entry
+        pattern = field + r"=\{([^}]*)\}"
+        assert re.findall(pattern, ours.citation) == re.findall(pattern, original.citation), field
+    assert ours.temperature == pytest.approx(original.temperature)
+    for attribute in ("scale", "gather_across_devices", "directions", "partition_mode", "hardness_mode",
+                      "hardness_strength", "uses_gradient_cache", "mini_batch_size", "mini_batch_num_tokens"):
+        assert getattr(ours, attribute, None) == getattr(original, attribute, None), attribute
+    ours.scale, ours.similarity_fct = 5.0, torch.nn.CosineSimilarity(dim=-1)  # assignable, as there
+    assert (ours.scale, ours.temperature, ours.get_config_dict()["similarity_fct"]) == (5.0, 0.2, "CosineSimilarity")
+    assert "similarity_fct" not in ours._modules
+    if cached:
+        assert ours.loss.scale == 5.0 and callable(ours.calculate_loss) and callable(ours.embed_minibatch)
+    ours.similarity_fct = cos_sim  # the original's own function: the same name in the config
+    assert ours.get_config_dict()["similarity_fct"] == "cos_sim"
+
+
+def test_matryoshka_takes_the_cached_drop_in_and_adaptive_layer_warns_as_for_the_original(
+    sentence_model: SentenceTransformer,
+) -> None:
+    assert_the_drop_in_gives_the_originals(sentence_model, lambda cls, model: st_losses.MatryoshkaLoss(
+        model, cls(model, mini_batch_size=3), matryoshka_dims=[16, 8, 4]))
+    with pytest.warns(UserWarning, match="AdaptiveLayerLoss is not compatible with CachedMultipleNegativesRankingLoss"):
+        st_losses.AdaptiveLayerLoss(sentence_model, CachedMultipleNegativesRankingLoss(sentence_model))

@@ -14,7 +14,8 @@ PAGES_WITH_CODE = [page for page in pages() if python_blocks(page)]
 SCRIPT_TIMEOUT_S = 240
 HEADLESS = {**os.environ, "MPLBACKEND": "Agg"}
 IN_BACKGROUND = ("docs/guides/lightning.md", "docs/guides/torchrun.md", "docs/guides/coming-from.md",
-                 "docs/guides/scale-out.md")
+                 "docs/guides/scale-out.md",
+                 "docs/guides/accelerate.md")
 """Pages whose scripts start processes that wait on each other for minutes if need be (Lightning's and
 torchrun's process groups): each runs whole as a background command (``tests/background.py``), on the
 CPU time the rest of the suite leaves. The testing pages bound their collectives at 60 s, which a
@@ -59,7 +60,7 @@ def test_scripts_name_a_file_and_a_command() -> None:
             if block.code.startswith("# ") and ".py" in block.code.splitlines()[0]:
                 assert block.script is not None, f"{block.where}: write '# NAME.py — run with: COMMAND'"
             if block.script is not None:
-                assert block.script["command"].split()[0] in ("python", "torchrun"), block.where
+                assert block.script["command"].split()[0] in ("python", "torchrun", "accelerate"), block.where
                 assert block.script["name"] in block.script["command"], block.where
                 assert 'if __name__ == "__main__":' in block.code or "pytest" in block.script["command"], block.where
 

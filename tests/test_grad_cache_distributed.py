@@ -126,7 +126,10 @@ def _bad_input_on_one_rank(rank: int, world_size: int) -> dict[str, object]:
         "leading sizes": lambda: grad_cache(sync, x, x[:1] if rank == 2 else x, mini_batch_size=2),
         "not a tensor": lambda: grad_cache(sync, x.tolist() if rank == 0 else x, mini_batch_size=2),
         "different mini_batch_size": lambda: grad_cache(sync, x, mini_batch_size=2 + rank),
-        "output rows": lambda: grad_cache(Doubled(), x, mini_batch_size=2),
+        # One rank would call the module on its empty mini-batches and the others not: refused alike.
+        "different synchronized": lambda: grad_cache(nn.Flatten(), x, mini_batch_size=2, synchronized=rank == 0),
+        # Its SyncBatchNorm is not a submodule (held by the closure): synchronized=True says it runs collectives.
+        "output rows": lambda: grad_cache(Doubled(), x, mini_batch_size=2, synchronized=True),
         # The third global mini-batch holds 1 + 0 + 0 rows: SyncBatchNorm raises on every rank.
         "synchronized BatchNorm": lambda: grad_cache(flat_sync, x, mini_batch_size=2),
         # Only rank 0's third mini-batch holds 1 row: a per-rank BatchNorm raises there alone.
@@ -160,6 +163,7 @@ def test_bad_input_on_one_rank_raises_the_same_error_on_every_rank(pool: Callabl
             "every input must be a torch.Tensor or a mapping of names to tensors, got list at position 0 (on rank 0;",
         ),
         "different mini_batch_size": ("ValueError", "different options (mini_batch_size)"),
+        "different synchronized": ("ValueError", "different options (synchronized)"),
         "output rows": ("ValueError", "(2 rows in this mini-batch), got shapes [(4, 5)] (on rank 0;"),
         "synchronized BatchNorm": ("ValueError", "raised ValueError on a mini-batch of 1 rows: Expected more than 1"),
         "per-rank BatchNorm": ("ValueError", "raised ValueError on a mini-batch of 1 rows: Expected more than 1"),

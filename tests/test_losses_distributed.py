@@ -3,7 +3,7 @@
 One matrix: every loss, uneven shards with empty ranks, W up to 8, chunked or not, ``sizes=``
 given or not, plain / weighted means and per-row losses, InfoNCE's own and shared negatives.
 Sample ids (with duplicates inside and across ranks) under ``same_id="mask"`` and ``"positive"``,
-negatives with ids. The mean of the per-rank values (or the ranks' rows in rank order) and the
+negatives with ids. Every rank's value (or the ranks' rows in rank order) and the
 DDP-averaged gradients of the encoder weights (hence the features), ``logit_scale`` and
 ``logit_bias`` — and each rank's own negatives — equal the plain float64 loop reference of the
 whole global batch, written with explicit masks.
@@ -139,11 +139,13 @@ def check(world_size: int, all_cases: list[Case], per_rank: list[list[tuple[Tens
         kind, mode, negatives_kind, shards, negative_shards, dtype_name, _, _, _ = case
         what, dtype = f"W={world_size} {case}", getattr(torch, dtype_name)
         expected, expected_grads = _expected(seed, case)
-        # A mean: the mean over ranks is the global loss and DDP averages the gradients. Rows: the
-        # ranks' rows in rank order are the global rows, and the objective Σ u_i ℓ_i is their sum.
+        # A mean: every rank returns the global loss, with its share's gradient, and DDP averages the
+        # gradients. Rows: the ranks' rows in rank order are the global rows, and the objective Σ u_i ℓ_i
+        # is their sum.
         divisor = 1 if mode == "none" else world_size
         values = [result[seed][0].double() for result in per_rank]
-        assert_close(torch.cat(values) if mode == "none" else sum(values) / world_size, expected, dtype, what)
+        for rank, value in enumerate([torch.cat(values)] if mode == "none" else values):
+            assert_close(value, expected, dtype, f"{what} rank {rank}")
         for name, grad in expected_grads.items():
             if name == "negatives":  # each rank holds its own negatives' gradient: Σ over ranks' losses
                 for rank, result in enumerate(per_rank):

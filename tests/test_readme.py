@@ -18,8 +18,12 @@ def test_readme_is_short_and_its_first_screen_installs_and_runs() -> None:
     text = README.read_text()
     assert 'pip install -e ".[recipes]" && python recipes/clip.py' in text
     assert 'pip install -e ".[dev]" && pytest' in text  # the command CI runs
-    # A CPU-only machine: the CPU build of torch, and what the default one weighs; the venv stays out of git.
-    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in first_screen
+    # A CPU-only machine: the CPU builds of torch and torchvision in one line (torchvision alone would pin a
+    # CUDA torch of its own), and what the default one weighs; the venv stays out of git.
+    cpu_line = "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu"
+    assert cpu_line in first_screen
+    for page in ("docs/getting-started.md", "docs/index.md"):  # the site says it too
+        assert cpu_line in (ROOT / page).read_text(), page
     assert "5.5 GB" in first_screen and ".venv" in first_screen
     assert ".venv/" in (ROOT / ".gitignore").read_text().splitlines()
 

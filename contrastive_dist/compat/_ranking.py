@@ -5,8 +5,8 @@ every candidate of the global batch (every positive and hard negative of every r
 optional extra directions (query→query, doc→query, doc→doc), one softmax over them (``"joint"``)
 or one per direction averaged (``"per_direction"``), and the optional hardness penalty. The
 columns come from the package's differentiable gather, whose backward returns each row's gradient
-summed over every rank to its owner; each rank returns ``(W / N) · Σ ℓ_i`` over its own rows, the
-[gradient contract][gradient-contract].
+summed over every rank to its owner; each rank's gradient is that of ``(W / N) · Σ ℓ_i`` over its own
+rows, the [gradient contract][gradient-contract], and its value the global loss.
 """
 
 from __future__ import annotations
@@ -14,15 +14,48 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from contrastive_dist.engine._agreement import Layout
 from contrastive_dist.engine.gather import all_gather_many
+from contrastive_dist.losses._frame import global_mean
 
-__all__ = ["RankingOptions", "check_ranking_options", "ranking_loss"]
+__all__ = ["RankingOptions", "check_ranking_options", "cos_sim", "dot_score", "ranking_loss"]
 
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 HARDNESS = (None, "in_batch_negatives", "hard_negatives", "all_negatives")
+
+
+def cos_sim(a: Tensor, b: Tensor) -> Tensor:
+    """Cosine similarity of every row of ``a`` with every row of ``b`` (sentence-transformers' default).
+
+    Shape:
+        a: ``(n, D)``; b: ``(m, D)``; output: ``(n, m)``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_dist.compat.sentence_transformers import cos_sim
+        >>> cos_sim(torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0, 0.0], [0.0, 3.0]]))
+        tensor([[1., 0.]])
+    """
+    return F.normalize(a, p=2, dim=1) @ F.normalize(b, p=2, dim=1).T
+
+
+def dot_score(a: Tensor, b: Tensor) -> Tensor:
+    """Dot product of every row of ``a`` with every row of ``b``.
+
+    Shape:
+        a: ``(n, D)``; b: ``(m, D)``; output: ``(n, m)``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_dist.compat.sentence_transformers import dot_score
+        >>> dot_score(torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 4.0]]))
+        tensor([[11.]])
+    """
+    return a @ b.T
 
 
 class RankingOptions:
@@ -32,6 +65,7 @@ class RankingOptions:
         self,
         scale: float,
         similarity_fct: Callable[[Tensor, Tensor], Tensor],
+        gather_across_devices: bool,
         directions: Sequence[str],
         partition_mode: str,
         hardness_mode: str | None,
@@ -39,6 +73,7 @@ class RankingOptions:
     ) -> None:
         check_ranking_options(scale, directions, partition_mode, hardness_mode, hardness_strength)
         self.scale, self.similarity_fct, self.directions = float(scale), similarity_fct, tuple(directions)
+        self.gather_across_devices = gather_across_devices
         self.partition_mode, self.hardness_mode = partition_mode, hardness_mode
         self.hardness_strength = hardness_strength
 
@@ -48,7 +83,7 @@ def check_ranking_options(
 ) -> None:
     """Raise ``ValueError`` for an option sentence-transformers refuses, saying what is allowed."""
     if not scale > 0:
-        raise ValueError(f"scale must be > 0, got {scale}")
+        raise ValueError(f"Scale must be a positive value, got {scale}")  # sentence-transformers' words
     if not directions or not set(directions) <= set(DIRECTIONS) or "query_to_doc" not in directions:
         raise ValueError(f"directions must be a non-empty tuple of {DIRECTIONS} holding 'query_to_doc', got "
                          f"{directions!r}")
@@ -64,7 +99,7 @@ def check_ranking_options(
 
 
 def ranking_loss(columns: Sequence[Tensor], options: RankingOptions, group: ProcessGroup | None = None) -> Tensor:
-    """The share of this rank in the global ranking loss of ``columns`` = (anchors, positives, *hard negatives).
+    """The global ranking loss of ``columns`` = (anchors, positives, *hard negatives); gradient: this rank's share.
 
     Shape:
         columns: ``(n_r, D)`` each (at least two); output: ``()``.
@@ -99,9 +134,8 @@ def ranking_loss(columns: Sequence[Tensor], options: RankingOptions, group: Proc
         log_z = torch.logsumexp(torch.cat(list(scores.values()), dim=1), dim=1)
     else:
         log_z = torch.stack([torch.logsumexp(value, dim=1) for value in scores.values()]).mean(0)
-    world = len(gathered.sizes)
-    # Σ over this rank's rows of (W / N): mean over ranks = the global mean (0, still connected, when N = 0).
-    return (log_z - positive).sum() * (world / max(total, 1))
+    layout = Layout(gathered.rank, len(gathered.sizes), gathered.sizes, (0,) * len(gathered.sizes), None, group)
+    return global_mean((log_z - positive).sum(), layout, total)
 
 
 def _hardness_penalty(query_to_doc: Tensor, own_docs: Tensor, total: int, options: RankingOptions) -> Tensor | None:

@@ -1,30 +1,36 @@
 """open_clip's ``ClipLoss`` and ``SigLipLoss``, with open_clip 3.3's signatures, on this package's exact losses.
 
-In a training script written for open_clip, change one line::
+In a training script of your own that builds open_clip's losses, change one line::
 
     from open_clip.loss import ClipLoss, SigLipLoss          # before
     from contrastive_dist.compat.open_clip import ClipLoss, SigLipLoss  # after
+
+open_clip's own training script (``open_clip_train``) builds its loss with ``open_clip.create_loss``,
+which reads the classes from ``open_clip.factory``: there an import changes nothing. :func:`install`
+makes that factory build these drop-ins, and ``python -m contrastive_dist.compat.open_clip_train ARGS``
+(or ``torchrun ... -m contrastive_dist.compat.open_clip_train ARGS``) runs open_clip's script with it.
 
 The constructor and ``forward`` take open_clip's arguments and return what open_clip returns. What
 changes is the distributed result: open_clip gathers into buffers sized like the local batch and
 offsets labels by ``rank * batch_size``, so it needs the same batch size on every rank (uneven
 batches raise in its gather, or hang) and, with ``local_loss=True``, averages per rank, which DDP's
 gradient averaging turns into the global gradient only when every rank holds as many rows. Here
-every rank's rows meet every rank's columns and the per-rank value follows the
-[gradient contract][gradient-contract]: for any per-rank batch sizes, 0 included, the DDP gradient
-is that of the single-process loss over the concatenated batch. On one process the value and
-gradients are open_clip's.
+every rank's rows meet every rank's columns and the result follows the
+[gradient contract][gradient-contract]: for any per-rank batch sizes, 0 included, every rank returns
+the single-process loss over the concatenated batch (what open_clip's training script logs from
+rank 0) and the DDP gradient is its gradient. On one process the value and gradients are open_clip's.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 from torch import Tensor, nn
 
 from contrastive_dist.losses import info_nce, siglip
 
-__all__ = ["ClipLoss", "SigLipLoss"]
+__all__ = ["ClipLoss", "SigLipLoss", "install", "uninstall"]
 
 _DIST_IMPLS = {None: "ring", "bidir": "ring", "shift": "ring", "reduce": "gather", "gather": "gather"}
 
@@ -166,3 +172,75 @@ class SigLipLoss(nn.Module):
         loss = siglip(image_features, text_features, logit_scale, logit_bias,
                       communication=_DIST_IMPLS[self.dist_impl])  # type: ignore[arg-type]
         return _returned(loss, output_dict)
+
+
+class _NotProvided:
+    """What open_clip's factory builds for a loss without a drop-in here: it says so, at construction."""
+
+    def __init__(self, name: str, asked_by: str) -> None:
+        self.name, self.asked_by = name, asked_by
+
+    def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise ValueError(
+            f"open_clip's {self.name} ({self.asked_by}) has no exact drop-in in contrastive_dist, and "
+            "contrastive_dist.compat.open_clip.install() is active: call contrastive_dist.compat.open_clip.uninstall() "
+            f"to train with open_clip's own {self.name}, or train a CLIP or SigLIP model"
+        )
+
+
+_REPLACED: dict[str, object] = {}
+"""open_clip's own classes in ``open_clip.factory``, while :func:`install` is active."""
+
+
+def install() -> None:
+    """Make ``open_clip.create_loss`` (open_clip's training script's loss) build these drop-ins; reversible.
+
+    Sets ``ClipLoss`` and ``SigLipLoss`` in ``open_clip.factory``, where ``create_loss`` reads them
+    (changing ``open_clip.loss`` would not reach it), so ``open_clip_train`` trains with the exact
+    losses, ``--siglip`` and ``--local-loss --gather-with-grad`` included. CoCa's and the
+    distillation losses subclass open_clip's own ``ClipLoss`` and have no drop-in here: while
+    installed, asking the factory for one raises a ``ValueError`` that says so. Idempotent; imports
+    open_clip (only here).
+
+    Example:
+        >>> from argparse import Namespace
+        >>> import open_clip
+        >>> from contrastive_dist.compat import open_clip as drop_ins
+        >>> drop_ins.install()
+        >>> args = Namespace(distill=False, model="ViT-B-32", siglip=False, local_loss=True, gather_with_grad=True,
+        ...                  rank=0, world_size=1, horovod=False)  # what open_clip_train's flags give
+        >>> type(open_clip.create_loss(args)) is drop_ins.ClipLoss
+        True
+        >>> drop_ins.uninstall()
+        >>> open_clip.factory.ClipLoss is open_clip.loss.ClipLoss
+        True
+    """
+    import open_clip.factory as factory
+
+    replacements = {
+        "ClipLoss": ClipLoss,
+        "SigLipLoss": SigLipLoss,
+        "CoCaLoss": _NotProvided("CoCaLoss", "a CoCa model"),
+        "DistillClipLoss": _NotProvided("DistillClipLoss", "--distill"),
+    }
+    for name, replacement in replacements.items():
+        _REPLACED.setdefault(name, getattr(factory, name))
+        setattr(factory, name, replacement)
+
+
+def uninstall() -> None:
+    """Give ``open_clip.factory`` its own loss classes back (nothing to do if :func:`install` was not called).
+
+    Example:
+        >>> import open_clip
+        >>> from contrastive_dist.compat import open_clip as drop_ins
+        >>> drop_ins.install()
+        >>> drop_ins.uninstall()
+        >>> open_clip.factory.SigLipLoss is open_clip.loss.SigLipLoss
+        True
+    """
+    factory = sys.modules.get("open_clip.factory")
+    if factory is not None:
+        for name, original in _REPLACED.items():
+            setattr(factory, name, original)
+    _REPLACED.clear()

@@ -1,8 +1,8 @@
-"""sentence-transformers' ``MultipleNegativesRankingLoss`` and its cached form, with the 6.2 signatures.
+"""sentence-transformers' ``MultipleNegativesRankingLoss`` and its cached form, with the 6.3 signatures.
 
 In a training script written for sentence-transformers, change one line::
 
-    from sentence_transformers.losses import MultipleNegativesRankingLoss   # before
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss   # before
     from contrastive_dist.compat.sentence_transformers import MultipleNegativesRankingLoss  # after
 
 (or ``CachedMultipleNegativesRankingLoss``, the same way). With ``gather_across_devices=True``
@@ -11,52 +11,29 @@ rows: it needs the same batch size on every rank (uneven ones pick wrong positiv
 hang in its gather), and DDP's average is the global gradient only for equal sizes. Here the loss
 follows the [gradient contract][gradient-contract] for any per-rank sizes, 0 included, and the
 cached form is [`grad_cache`][contrastive_dist.grad_cache]: one re-encode per mini-batch in the
-ordinary backward, so DDP syncs each parameter once.
+ordinary backward, so DDP syncs each parameter once, with ``find_unused_parameters=True`` too (the
+trainer's default), and a rank with fewer rows never calls the model on an empty mini-batch. Both
+carry the originals' attributes (the options, ``temperature``, ``get_config_dict()``, ``citation``;
+the cached one ``uses_gradient_cache``, ``calculate_loss`` and ``embed_minibatch``), so the model
+card names the options and ``MatryoshkaLoss`` takes the cached drop-in as it takes the original.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
-import torch.nn.functional as F
+import torch
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from contrastive_dist.compat._groups import loss_group
-from contrastive_dist.compat._ranking import RankingOptions, ranking_loss
+from contrastive_dist.compat._ranking import RankingOptions, cos_sim, dot_score, ranking_loss
+from contrastive_dist.compat._ranking_attributes import GRADIENT_CACHE_CITATION, RankingAttributes
+from contrastive_dist.nn._ddp_forward import inside_forward
 from contrastive_dist.nn.grad_cache import grad_cache
 
 __all__ = ["CachedMultipleNegativesRankingLoss", "MultipleNegativesRankingLoss", "cos_sim", "dot_score"]
-
-
-def cos_sim(a: Tensor, b: Tensor) -> Tensor:
-    """Cosine similarity of every row of ``a`` with every row of ``b`` (sentence-transformers' default).
-
-    Shape:
-        a: ``(n, D)``; b: ``(m, D)``; output: ``(n, m)``.
-
-    Example:
-        >>> import torch
-        >>> from contrastive_dist.compat.sentence_transformers import cos_sim
-        >>> cos_sim(torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0, 0.0], [0.0, 3.0]]))
-        tensor([[1., 0.]])
-    """
-    return F.normalize(a, p=2, dim=1) @ F.normalize(b, p=2, dim=1).T
-
-
-def dot_score(a: Tensor, b: Tensor) -> Tensor:
-    """Dot product of every row of ``a`` with every row of ``b``.
-
-    Shape:
-        a: ``(n, D)``; b: ``(m, D)``; output: ``(n, m)``.
-
-    Example:
-        >>> import torch
-        >>> from contrastive_dist.compat.sentence_transformers import dot_score
-        >>> dot_score(torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 4.0]]))
-        tensor([[11.]])
-    """
-    return a @ b.T
 
 
 class _SentenceEmbedding(nn.Module):
@@ -70,17 +47,20 @@ class _SentenceEmbedding(nn.Module):
         return self.model(features)["sentence_embedding"]
 
 
-class MultipleNegativesRankingLoss(nn.Module):
+class MultipleNegativesRankingLoss(RankingAttributes):
     """Each anchor must rank its positive first among every candidate; sentence-transformers' signature.
 
-    Same as sentence-transformers 6.2: the arguments (``directions``, ``partition_mode``,
+    Same as sentence-transformers 6.3: the arguments (``directions``, ``partition_mode``,
     ``hardness_mode``, ``hardness_strength`` and their checks), ``forward(sentence_features, labels)``
     with columns (anchors, positives, any number of hard-negative columns), the value and gradients
-    on one process. Each column is encoded by its own ``model(features)`` call (sentence-transformers
-    merges the candidate columns into one call: the same result for a model without dropout).
+    on one process, the attributes (``scale``, ``similarity_fct``, ... assignable; ``temperature``,
+    ``get_config_dict()``, ``citation``). Each column is encoded by its own ``model(features)`` call
+    (sentence-transformers merges the candidate columns into one call: the same result for a model
+    without dropout).
 
     Different: ``gather_across_devices=True`` gives the loss of the global batch for any per-rank
-    batch sizes; ``False`` keeps each rank's batch alone, as the original does.
+    batch sizes, and every rank returns that loss (the one a trainer logs); ``False`` keeps each
+    rank's batch alone, as the original does.
 
     One line to change: ``from contrastive_dist.compat.sentence_transformers import MultipleNegativesRankingLoss``.
 
@@ -108,6 +88,8 @@ class MultipleNegativesRankingLoss(nn.Module):
         >>> anchors, positives = {"input_ids": torch.randint(50, (4, 6))}, {"input_ids": torch.randint(50, (4, 6))}
         >>> loss = MultipleNegativesRankingLoss(model, directions=("query_to_doc", "doc_to_query"))
         >>> loss([anchors, positives], torch.zeros(4)).backward()
+        >>> loss.get_config_dict()["directions"], loss.temperature
+        (('query_to_doc', 'doc_to_query'), 0.05)
     """
 
     def __init__(
@@ -123,29 +105,41 @@ class MultipleNegativesRankingLoss(nn.Module):
     ) -> None:
         super().__init__()
         self.model = model
-        self.options = RankingOptions(scale, similarity_fct, directions, partition_mode, hardness_mode,
-                                      hardness_strength)
-        self.gather_across_devices = gather_across_devices
+        self.options = RankingOptions(scale, similarity_fct, gather_across_devices, directions, partition_mode,
+                                      hardness_mode, hardness_strength)
+
+    def _ranking_options(self) -> RankingOptions:
+        return self.options
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
-        """The loss of this rank's anchors against every rank's candidates; ``labels`` is unused."""
-        columns = [self.model(features)["sentence_embedding"] for features in sentence_features]
-        return ranking_loss(columns, self.options, loss_group(self.gather_across_devices))
+        """The global loss of every rank's anchors against every rank's candidates; ``labels`` is unused."""
+        return self.compute_loss_from_embeddings(
+            [self.model(features)["sentence_embedding"] for features in sentence_features], labels)
+
+    def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None = None) -> Tensor:
+        """The loss of the columns' embeddings ``(n_r, D)`` each (anchors, positives, hard negatives)."""
+        return ranking_loss(embeddings, self.options, loss_group(self.options.gather_across_devices))
 
 
-class CachedMultipleNegativesRankingLoss(nn.Module):
+class CachedMultipleNegativesRankingLoss(RankingAttributes):
     """The same loss over embeddings encoded ``mini_batch_size`` rows at a time (GradCache), exact.
 
-    Same as sentence-transformers 6.2: the arguments, ``forward``, the value and the gradients of
+    Same as sentence-transformers 6.3: the arguments, ``forward``, the value and the gradients of
     its ``CachedMultipleNegativesRankingLoss``; each mini-batch is cut to the width its attention
-    mask keeps, as there. ``show_progress_bar`` is accepted and unused; ``mini_batch_num_tokens``
+    mask keeps, as there; the attributes (the options, delegated to the plain loss it holds as
+    ``loss``, ``temperature``, ``get_config_dict()``, ``citation``, ``uses_gradient_cache``), and
+    ``calculate_loss(reps, labels, with_backward=...)``, which ``MatryoshkaLoss`` wraps to add its
+    truncated dimensions. ``show_progress_bar`` is accepted and unused; ``mini_batch_num_tokens``
     (mini-batches by token count) is refused unless ``None``: every rank must encode the same number
     of mini-batches for a collective inside the model.
 
     Different: the gradient cache is :func:`~contrastive_dist.grad_cache`, an autograd function:
     ``loss.backward()`` re-encodes inside the ordinary backward and every parameter receives its
-    gradient once, so DDP, gradient accumulation and mixed precision work unchanged; with
-    ``gather_across_devices=True`` the loss is exact for any per-rank batch sizes.
+    gradient once, so DDP (with ``find_unused_parameters=True`` too: a ``DistributedDataParallel``
+    model runs one forward around the encodes), gradient accumulation and mixed precision work
+    unchanged; a rank with fewer rows never calls the model on an empty mini-batch; with
+    ``gather_across_devices=True`` the loss is exact for any per-rank batch sizes, and every rank
+    returns it. ``AdaptiveLayerLoss`` warns that it is not compatible, as for the original.
 
     One line to change:
     ``from contrastive_dist.compat.sentence_transformers import CachedMultipleNegativesRankingLoss``.
@@ -178,7 +172,11 @@ class CachedMultipleNegativesRankingLoss(nn.Module):
         >>> loss = CachedMultipleNegativesRankingLoss(Encoder(), mini_batch_size=2)
         >>> columns = [{"input_ids": torch.randint(50, (5, 6))} for _ in range(3)]  # anchors, positives, negatives
         >>> loss(columns, torch.zeros(5)).backward()  # 3 encodes per column, none keeps activations
+        >>> loss.get_config_dict()["mini_batch_size"], loss.uses_gradient_cache
+        (2, True)
     """
+
+    uses_gradient_cache = True
 
     def __init__(
         self,
@@ -195,19 +193,80 @@ class CachedMultipleNegativesRankingLoss(nn.Module):
         hardness_strength: float = 0.0,
     ) -> None:
         super().__init__()
+        if mini_batch_num_tokens is not None and not mini_batch_num_tokens > 0:  # sentence-transformers' check
+            raise ValueError(f"mini_batch_num_tokens must be a positive integer or None, got {mini_batch_num_tokens}")
         if mini_batch_num_tokens is not None:
             raise ValueError("mini_batch_num_tokens is not supported: every rank encodes the same number of "
                              f"mini-batches of mini_batch_size rows; got mini_batch_num_tokens={mini_batch_num_tokens}")
         self.model = model
-        self.options = RankingOptions(scale, similarity_fct, directions, partition_mode, hardness_mode,
-                                      hardness_strength)
-        self.mini_batch_size, self.gather_across_devices = mini_batch_size, gather_across_devices
+        self.loss = MultipleNegativesRankingLoss(model, scale, similarity_fct, gather_across_devices, directions,
+                                                 partition_mode, hardness_mode, hardness_strength)
+        self.mini_batch_size, self.mini_batch_num_tokens = mini_batch_size, mini_batch_num_tokens
         self.show_progress_bar = show_progress_bar
 
+    def _ranking_options(self) -> RankingOptions:
+        return cast(MultipleNegativesRankingLoss, self.loss).options
+
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
-        """The loss of this rank's anchors against every rank's candidates; ``labels`` is unused."""
+        """The global loss of every rank's anchors against every rank's candidates; ``labels`` is unused."""
+        features = list(sentence_features)
+        if len(features) < 2:
+            raise ValueError(f"expected at least 2 columns (anchors, positives), got {len(features)}")
+        columns = self._encoded(features)
+        if not torch.is_grad_enabled():
+            return self.calculate_loss([[column] for column in columns], labels)
+        # The loss against detached columns, its gradient taken here (calculate_loss may be wrapped by
+        # MatryoshkaLoss, which adds its truncated dimensions' gradients); the ordinary backward then
+        # carries that gradient into grad_cache, which re-encodes.
+        leaves = [[column.detach().requires_grad_()] for column in columns]
+        value = self.calculate_loss(leaves, labels, with_backward=True)
+        grads = [leaf.grad for (leaf,) in leaves]
+        unused = [str(index) for index, grad in enumerate(grads) if grad is None]
+        if unused:
+            raise ValueError(f"the loss did not use input column(s) {', '.join(unused)}: remove them from the dataset")
+        linked = torch.stack([(column * cast(Tensor, grad)).sum() for column, grad in zip(columns, grads)]).sum()
+        return value.detach() + (linked - linked.detach())  # the value, and the columns' cached gradient
+
+    def calculate_loss(self, reps: list[list[Tensor]], labels: Tensor | None = None, *,
+                       with_backward: bool = False) -> Tensor:
+        """The loss of the columns' embeddings, each given in mini-batches; back-propagated with ``with_backward``.
+
+        Shape:
+            reps: per column, mini-batches ``(m, D)`` whose rows make ``(n_r, D)``; output: ``()``.
+        """
+        loss = cast(MultipleNegativesRankingLoss, self.loss).compute_loss_from_embeddings(
+            [torch.cat(mini_batches) for mini_batches in reps], labels)
+        if with_backward:
+            loss.backward()
+            return loss.detach()
+        return loss
+
+    def embed_minibatch(self, sentence_feature: dict[str, Tensor], begin: int, end: int, with_grad: bool,
+                        copy_random_state: bool, random_state: object = None) -> tuple[Tensor, None]:
+        """Rows ``begin:end`` encoded, with or without gradient; no random state (grad_cache replays its own)."""
+        rows = {key: value[begin:end] if isinstance(value, Tensor) and value.ndim else value
+                for key, value in sentence_feature.items()}
+        with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
+            return self.model(rows)["sentence_embedding"], None
+
+    def get_config_dict(self) -> dict[str, Any]:
+        """The options and the mini-batching, as sentence-transformers' model card lists them."""
+        return {**super().get_config_dict(), "mini_batch_size": self.mini_batch_size,
+                "mini_batch_num_tokens": self.mini_batch_num_tokens}
+
+    @property
+    def citation(self) -> str:
+        """GradCache's paper, as BibTeX."""
+        return GRADIENT_CACHE_CITATION
+
+    def _encoded(self, features: list[dict[str, Tensor]]) -> list[Tensor]:
+        """Every column through grad_cache; a ``DistributedDataParallel`` model runs one forward around them."""
         group = loss_group(self.gather_across_devices)
-        encoder = _SentenceEmbedding(self.model)
-        columns = [grad_cache(encoder, dict(features), mini_batch_size=self.mini_batch_size, group=group,
-                              trim_padding=True) for features in sentence_features]
-        return ranking_loss([column for column in columns if isinstance(column, Tensor)], self.options, group)
+
+        def encode(model: nn.Module) -> tuple[Tensor, ...]:
+            encoder = _SentenceEmbedding(model)
+            return tuple(cast(Tensor, grad_cache(encoder, dict(column), mini_batch_size=self.mini_batch_size,
+                                                 group=group, trim_padding=True)) for column in features)
+
+        model = self.model
+        return list(inside_forward(model, encode) if isinstance(model, DistributedDataParallel) else encode(model))

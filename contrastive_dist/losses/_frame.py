@@ -12,10 +12,8 @@ frame's per-row primitive. The frame runs the rest, in this order:
    positives, the negatives-only log-sum-exp, the softplus sum), differentiable in both transports — and
    :meth:`Call.weighted_sum`, its fused ``Σ_i w_i ℓ_i`` (gradients formed with the logits, the same
    numbers); :meth:`Call.mean` is the usual composition of the two with the reduction;
-5. :meth:`Call.share`: this rank's share of the global mean, the gradient contract: with weights
-   ``w_i`` a loss is ``Σ_i w_i ℓ_i / Σ_global w_i``, and each rank returns ``W · Σ_local w_i ℓ_i /
-   Σ_global w_i``, whose mean over the ranks — what DDP's gradient averaging differentiates — is the
-   global mean, for any per-rank batch sizes, 0 included.
+5. :meth:`Call.share`: the gradient contract: each rank differentiates its share of the global mean
+   ``Σ w ℓ / Σ_global w`` (whose mean over the ranks is that mean) and returns the mean itself.
 """
 
 from __future__ import annotations
@@ -53,9 +51,9 @@ from contrastive_dist.losses._options import (
     resolve_scale,
 )  # fmt: skip
 from contrastive_dist.losses._targets import SMALL_KEYS, RowTargets, comparable_keys, small_keys_flag
-from contrastive_dist.losses._transports import Columns, meet, transport_of
+from contrastive_dist.losses._transports import Columns, columns_of, meet
 
-__all__ = ["Call", "Common", "begin"]
+__all__ = ["Call", "Common", "begin", "global_mean"]
 
 Own = TypeVar("Own", bound=tuple[Any, ...])
 
@@ -83,12 +81,11 @@ class Common:
 
 @dataclass(frozen=True)
 class Call(Generic[Own]):
-    """One checked, agreed call of a loss: its own inputs, the common ones, and every rank's layout.
+    """One checked, agreed call of a loss: its own inputs, the common ones, every rank's layout.
 
     Attributes:
         own: what the loss's own check returned (a named tuple, its rows' features first).
-        scale: ``()`` the logit scale, in the compute dtype.
-        chunk: rows per logit block, or ``None`` (chosen from the shapes).
+        scale, chunk: ``()`` the logit scale, in the compute dtype; rows per logit block, or ``None``.
         weights: ``(n_r,)`` the rows' weights, detached, or ``None``.
         ids: ``(n_r,)`` int64 sample ids, or ``None``.
         layout: every rank's sizes, this rank's place, the agreed flags and weight total.
@@ -130,19 +127,14 @@ class Call(Generic[Own]):
         Shape:
             features: ``(n_r · per_sample, D)``; keys: ``(n_r · per_sample,)``.
         """
-        layout, mode = self.layout, self.common.communication
-        travelling = self.weights if own_losses and mode == "gather" else None
-        met = meet(mode, layout, [t for t in (operands(features), keys, travelling) if t is not None],
-                   per_sample=per_sample)  # fmt: skip
-        counts = tuple(size * per_sample for size in layout.sizes)
-        columns = Columns(met[0], met[1] if keys is not None else None, transport_of(mode, layout, counts, per_sample),
-                          counts, counts, own_losses=counts if own_losses else None,
-                          weights=met[-1] if travelling is not None else None)  # fmt: skip
+        columns = columns_of(self.common.communication, self.layout, operands(features), keys, per_sample=per_sample,
+                             weights=self.weights if own_losses else None)
+        columns = columns._replace(own_losses=columns.counts) if own_losses else columns
         if negatives is None:
             return columns
         from contrastive_dist.losses._negatives import with_negatives
 
-        return with_negatives(columns, negatives, negative_keys, layout)
+        return with_negatives(columns, negatives, negative_keys, self.layout)
 
     def rows(self, family: Family, queries: Tensor, columns: Columns, targets: RowTargets, *,
              scale: Tensor | None = None, bias: Tensor | None = None, tiles: RowTargets | None = None,
@@ -177,22 +169,15 @@ class Call(Generic[Own]):
         total, _ = self.weighted_sum(family, queries, columns, targets, bias=bias)
         return self.share(total if columns.own_losses is None else total * 0.5)
 
-    def share(self, value: Tensor, denominator: Tensor | int | None = None) -> Tensor:
-        """``W · value / denominator``: this rank's share of the global mean; 0 when the denominator is 0.
+    def share(self, value: Tensor, *, local_denominator: Tensor | None = None) -> Tensor:
+        """The global mean of ``value`` summed over the ranks as the value, this rank's share as its gradient.
 
-        ``denominator``: global — the row count (an int: no collective), or a 0-d tensor such as the agreed
-        weight total (default). A zero denominator means every term is 0 too (an empty global batch, all
-        weights 0): the result is then a zero still connected to the graph, so every rank still runs the
-        backward collectives.
+        ``local_denominator``: this rank's part of a denominator only the ranks' sum gives (SupCon's anchors
+        with positives); default the agreed weight total or row count. See :func:`global_mean`.
         """
-        if denominator is None:
-            denominator = sum(self.layout.sizes) if self.layout.total is None else self.layout.total
-        world_size = self.layout.world_size
-        if isinstance(denominator, int):
-            return value * (world_size / denominator if denominator > 0 else 0.0)
-        denominator = denominator.to(value.dtype)
-        positive = denominator > 0
-        return value * torch.where(positive, world_size / torch.where(positive, denominator, 1.0), 0.0)
+        total = sum(self.layout.sizes) if self.layout.total is None else self.layout.total
+        return global_mean(value, self.layout, total if local_denominator is None else None,
+                           local_denominator=local_denominator)  # fmt: skip
 
     def gathered(self, rows: Tensor) -> Tensor:
         """Every rank's ``rows`` (one per local sample), in rank order; differentiable.
@@ -203,16 +188,8 @@ class Call(Generic[Own]):
         return meet("gather", self.layout, [rows])[0]
 
     def summed(self, value: Tensor) -> Tensor:
-        """``value`` summed over the ranks (one scalar all-reduce; traceable under ``torch.compile``)."""
-        if self.layout.world_size == 1:
-            return value
-        if torch.compiler.is_compiling():
-            import torch.distributed._functional_collectives as funcol
-
-            return funcol.all_reduce(value, "sum", cast(ProcessGroup, self.layout.group or dist.group.WORLD))
-        total = value.clone()
-        all_reduce(total, self.layout.group, operation="loss reduction (all-reduce)")
-        return total
+        """``value`` summed over the ranks (one all-reduce; traceable under ``torch.compile``)."""
+        return _summed(value, self.layout)
 
 
 def begin(check: Callable[[], Own], common: Common, *, inputs: Sequence[object], options: Mapping[str, object],
@@ -267,3 +244,57 @@ def begin(check: Callable[[], Own], common: Common, *, inputs: Sequence[object],
     assert result is not None  # the agreement raised otherwise
     own, scale, chunk, weights, ids = result
     return Call(own, scale, chunk, weights, ids, layout, common)
+
+
+def global_mean(value: Tensor, layout: Layout, denominator: Tensor | int | None = None, *,
+                local_denominator: Tensor | None = None) -> Tensor:
+    """``Σ_ranks value / denominator`` as the value, this rank's share ``W · value / denominator`` as the gradient.
+
+    The share's mean over the ranks is the global mean (the gradient contract); each rank returns
+    ``(share − share.detach()) + L``, the global loss ``L`` on every rank, bit for bit: the value a trainer
+    logs (rank 0's share is not the loss: rows 7 + 1 give shares 4.15 and 0.91 of a loss of 2.53). ``L``
+    takes one scalar all-reduce of the detached sums, which carries ``local_denominator`` too (this rank's
+    part of a denominator only the ranks' sum gives; instead of ``denominator``). A zero denominator means
+    every term is 0 too: the result is then a zero still connected to the graph, so every rank still runs
+    the backward collectives.
+
+    Shape:
+        value, local_denominator: ``()``; output: ``()``.
+
+    Example:
+        >>> import torch
+        >>> from contrastive_dist.engine._agreement import Layout
+        >>> total = torch.tensor(6.0, requires_grad=True)
+        >>> loss = global_mean(total, Layout(0, 1, (4,), (0,), None, None), 4)
+        >>> loss.backward()
+        >>> loss.item(), total.grad.item()
+        (1.5, 0.25)
+    """
+    if layout.world_size == 1:
+        return _mean(value, 1, cast(Tensor | int, denominator if local_denominator is None else local_denominator))
+    sums = [value.detach()] + ([] if local_denominator is None else [local_denominator.detach().to(value.dtype)])
+    summed = _summed(torch.stack(sums), layout)
+    total = cast(Tensor | int, denominator) if local_denominator is None else summed[1]
+    share = _mean(value, layout.world_size, total)
+    return (share - share.detach()) + _mean(summed[0], 1, total)
+
+
+def _summed(value: Tensor, layout: Layout) -> Tensor:
+    if layout.world_size == 1:
+        return value
+    if torch.compiler.is_compiling():
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_reduce(value, "sum", cast(ProcessGroup, layout.group or dist.group.WORLD))
+    total = value.clone()
+    all_reduce(total, layout.group, operation="loss reduction (all-reduce)")
+    return total
+
+
+def _mean(total: Tensor, factor: int, denominator: Tensor | int) -> Tensor:
+    """``factor · total / denominator``; 0 when the denominator is 0 (every term is then 0 too)."""
+    if isinstance(denominator, int):
+        return total * (factor / denominator if denominator > 0 else 0.0)
+    denominator = denominator.to(total.dtype)
+    positive = denominator > 0
+    return total * torch.where(positive, factor / torch.where(positive, denominator, 1.0), 0.0)

@@ -12,7 +12,7 @@ and adds into ``accumulator`` (a gradient or a state that belongs to the block's
   comes past once, one per hop (:mod:`contrastive_dist.engine._ring`), and each accumulator
   follows its block round and comes home to its owner.
 
-:func:`meet` and :func:`transport_of` set up a call's :class:`Columns` for either; :func:`chunks` says
+:func:`columns_of` sets up a call's :class:`Columns` for either; :func:`chunks` says
 how many rows meet a block at once.
 """
 
@@ -33,7 +33,7 @@ from contrastive_dist.engine.gather import gather_agreed
 
 __all__ = [
     "BLOCK_LOGITS", "CUDA_BLOCK_LOGITS", "EVERY_RANK", "LOCAL", "Columns", "OneBlock", "RingBlocks", "Transport",
-    "chunks", "meet", "transport_of",
+    "chunks", "columns_of", "meet",
 ]  # fmt: skip
 
 EVERY_RANK = -1
@@ -208,11 +208,22 @@ def meet(communication: str, layout: Layout, own: Sequence[Tensor], *, per_sampl
     return gather_agreed(own, layout._replace(sizes=rows)).tensors
 
 
-def transport_of(communication: str, layout: Layout, counts: tuple[int, ...], per_sample: int = 1) -> Transport:
-    """The transport of ``communication`` for columns of ``counts`` rows per rank (this rank's own from its offset)."""
+def columns_of(communication: str, layout: Layout, features: Tensor, keys: Tensor | None, *, per_sample: int = 1,
+               weights: Tensor | None = None) -> Columns:  # fmt: skip
+    """The :class:`Columns` of this rank's ``features`` and their ``keys`` (``per_sample`` rows a sample) in a mode.
+
+    ``weights``: one per sample of a symmetric loss, whose columns have losses of their own: gather mode
+    meets them with the columns (every rank's), ring mode has them travel in its second pass.
+    """
+    travelling = weights if communication == "gather" else None
+    met = meet(communication, layout, [t for t in (features, keys, travelling) if t is not None], per_sample=per_sample)
+    counts = tuple(size * per_sample for size in layout.sizes)
     if communication == "gather":
-        return OneBlock(layout.offset * per_sample, layout.rank, layout.group)
-    return RingBlocks(Ring(layout.rank, layout.world_size, counts, layout.group))
+        transport: Transport = OneBlock(layout.offset * per_sample, layout.rank, layout.group)
+    else:
+        transport = RingBlocks(Ring(layout.rank, layout.world_size, counts, layout.group))
+    return Columns(met[0], met[1] if keys is not None else None, transport, counts, counts,
+                   weights=met[-1] if travelling is not None else None)  # fmt: skip
 
 
 BLOCK_LOGITS = 2**24

@@ -158,6 +158,6 @@ class DCLLoss(HeldOptions):
     def forward(self, z1: Tensor, z2: Tensor, logit_scale: Tensor | float | None = None, *,
                 sizes: Sequence[int] | None = None, weight: Tensor | None = None, ids: Tensor | None = None,
                 positive_weight: Tensor | None = None) -> Tensor:
-        """Return this rank's share of the loss (or its per-sample losses); see :func:`dcl`."""
+        """Return the global loss, its gradient this rank's share (or the per-sample losses); see :func:`dcl`."""
         return dcl(z1, z2, logit_scale, sizes=sizes, weight=weight, ids=ids, positive_weight=positive_weight,
                    **self.options())

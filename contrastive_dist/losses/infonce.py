@@ -79,8 +79,8 @@ def info_nce(
         negative_ids: ``(k_r,)`` (own) or ``(K,)`` (shared) int64 ids of ``negatives``, or ``None``.
 
     Returns:
-        This rank's share of the global loss, or its per-pair losses with ``reduction="none"``
-        ([compute dtypes][compute-dtypes]).
+        The global loss on every rank, its gradient this rank's share ([the contract][gradient-contract]),
+        or its per-pair losses with ``reduction="none"`` ([compute dtypes][compute-dtypes]).
 
     Raises:
         ValueError / TypeError: on every rank, if any rank's call is wrong ([agreement][option-agreement]).
@@ -171,6 +171,6 @@ class DistributedInfoNCE(HeldOptions):
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor | float | None = None, *,
                 sizes: Sequence[int] | None = None, negatives: Tensor | SharedNegatives | None = None,
                 weight: Tensor | None = None, ids: Tensor | None = None, negative_ids: Tensor | None = None) -> Tensor:
-        """Return this rank's share of the loss (or its per-pair losses); see :func:`info_nce`."""
+        """Return the global loss, its gradient this rank's share (or the per-pair losses); see :func:`info_nce`."""
         return info_nce(image_features, text_features, logit_scale, sizes=sizes, negatives=negatives, weight=weight,
                         ids=ids, negative_ids=negative_ids, **self.options())

@@ -67,8 +67,8 @@ def nt_xent(
             ([communication][option-communication]).
 
     Returns:
-        The share of this rank in the global loss (per sample: the mean of its two anchors'), or
-        with ``reduction="none"`` its samples' losses ([compute dtypes][compute-dtypes]).
+        The global loss (per sample: the mean of its two anchors') on every rank, its gradient this
+        rank's share, or with ``reduction="none"`` its samples' losses ([compute dtypes][compute-dtypes]).
 
     Raises:
         ValueError / TypeError: on every rank, if any rank's call is wrong ([agreement][option-agreement]).
@@ -155,5 +155,5 @@ class NTXentLoss(HeldOptions):
 
     def forward(self, z1: Tensor, z2: Tensor, logit_scale: Tensor | float | None = None, *,
                 sizes: Sequence[int] | None = None, weight: Tensor | None = None, ids: Tensor | None = None) -> Tensor:
-        """Return this rank's share of the loss (or its per-sample losses); see :func:`nt_xent`."""
+        """Return the global loss, its gradient this rank's share (or the per-sample losses); see :func:`nt_xent`."""
         return nt_xent(z1, z2, logit_scale, sizes=sizes, weight=weight, ids=ids, **self.options())

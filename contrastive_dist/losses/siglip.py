@@ -66,8 +66,8 @@ def siglip(
             travel) ([communication][option-communication]).
 
     Returns:
-        The sum of this rank's pair terms times ``W / N`` (its share), or each image row's terms summed
-        (``reduction="none"``) ([compute dtypes][compute-dtypes]).
+        The global loss on every rank, its gradient that of this rank's pair terms times ``W / N`` (its
+        share), or each image row's terms summed (``reduction="none"``) ([compute dtypes][compute-dtypes]).
 
     Raises:
         ValueError / TypeError: on every rank, if any rank's call is wrong ([agreement][option-agreement]).
@@ -137,6 +137,6 @@ class SigLIPLoss(HeldOptions):
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor | float,
                 logit_bias: Tensor | float, *, sizes: Sequence[int] | None = None, weight: Tensor | None = None,
                 ids: Tensor | None = None) -> Tensor:
-        """Return this rank's share of the loss (or its per-row losses); see :func:`siglip`."""
+        """Return the global loss, its gradient this rank's share (or the per-row losses); see :func:`siglip`."""
         return siglip(image_features, text_features, logit_scale, logit_bias, sizes=sizes, weight=weight, ids=ids,
                       **self.options())

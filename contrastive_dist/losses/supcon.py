@@ -36,9 +36,10 @@ def supcon(
     **Normalisation.** Anchors without positives (a label seen once, single view) contribute
     nothing; the loss is the mean of ``ℓ_a`` over the ``A`` anchors of the global batch that
     have positives, and 0 (still in the graph) when ``A = 0`` — never NaN. Each rank counts its
-    anchors with positives and one scalar all-reduce sums the counts, so each rank returns
-    ``(W / A) · Σ_{its anchors with positives} ℓ_a`` and the mean over ranks is the single-process
-    loss, for any per-rank batch sizes (including 0): the [gradient contract][gradient-contract].
+    anchors with positives and one scalar all-reduce sums the counts (with the ranks' loss sums), so
+    each rank differentiates ``(W / A) · Σ_{its anchors with positives} ℓ_a``, whose mean over ranks
+    is the single-process loss, and returns that loss itself, for any per-rank batch sizes
+    (including 0): the [gradient contract][gradient-contract].
 
     **Conventions that differ from the paper's reference code** (``SupConLoss`` of
     HobbitLong/SupContrast): there, anchors without positives count as 0 in a mean over *all*
@@ -72,8 +73,8 @@ def supcon(
             ([communication][option-communication]).
 
     Returns:
-        The share of this rank in the mean over anchors with positives, or each anchor's loss
-        (``reduction="none"``; 0 without positives) ([compute dtypes][compute-dtypes]).
+        The mean over anchors with positives on every rank, its gradient this rank's share, or each
+        anchor's loss (``reduction="none"``; 0 without positives) ([compute dtypes][compute-dtypes]).
 
     Raises:
         ValueError / TypeError: on every rank, if any rank's call is wrong ([agreement][option-agreement]).
@@ -121,7 +122,8 @@ def supcon(
                                                  tiles=tiles)  # fmt: skip
     # The mean runs over the anchors with positives (weighted): a count only the blocks reveal.
     counted = has_positives.to(value.dtype)
-    return call.share(value, call.summed((counted if anchor_weights is None else counted * anchor_weights).sum()))
+    local_denominator = (counted if anchor_weights is None else counted * anchor_weights).sum()
+    return call.share(value, local_denominator=local_denominator)
 
 
 def _check_labels(labels: object, batch_size: int) -> None:
@@ -156,5 +158,5 @@ class SupConLoss(HeldOptions):
 
     def forward(self, features: Tensor, labels: Tensor, logit_scale: Tensor | float | None = None, *,
                 sizes: Sequence[int] | None = None, weight: Tensor | None = None) -> Tensor:
-        """Return this rank's share of the loss (or its per-anchor losses); see :func:`supcon`."""
+        """Return the global loss, its gradient this rank's share (or the per-anchor losses); see :func:`supcon`."""
         return supcon(features, labels, logit_scale, sizes=sizes, weight=weight, **self.options())

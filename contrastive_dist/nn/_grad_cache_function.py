@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,8 +32,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from contrastive_dist._validation import Problem
 from contrastive_dist.nn._grad_cache_inputs import Inputs
+from contrastive_dist.nn._grad_cache_outputs import Description, as_outputs, empty_outputs, kind_of, unlike_first
 
-__all__ = ["CachePlan", "GradCacheFunction", "as_outputs"]
+__all__ = ["CachePlan", "GradCacheFunction"]
 
 _REENTRANT = ("Checkpointing is not compatible with .grad()", "checkpoint is incompatible with .grad()")
 
@@ -55,9 +56,16 @@ class CachePlan:
     check_outputs: Callable[[object, int], Problem | None]
     settle: Callable[[Problem | None], None]
     exchange: bool
+    encode_empty: bool = True
+    describe: Callable[[Description | None], Description] | None = None
+    device: torch.device = torch.device("cpu")
     kind: tuple[object, ...] = ("tensor",)
     rng_states: list[tuple[Tensor, list[Tensor]]] = field(default_factory=list)
     autocast: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def encodes(self, start: int, stop: int) -> bool:
+        """Whether the mini-batch of rows ``start:stop`` is encoded (in forward, and again in backward)."""
+        return stop > start or self.encode_empty
 
 
 def _accelerators(tensors: Sequence[Tensor]) -> tuple[str | None, list[int]]:
@@ -120,36 +128,6 @@ def _raised(error: Exception, rows: int) -> Problem:
     return kind, f"the module raised {type(error).__name__} on a mini-batch of {rows} rows: {error}"
 
 
-def _kind(outputs: object) -> tuple[object, ...]:
-    """What the module returned: a tensor, a tuple of ``n``, or a mapping with these keys."""
-    if isinstance(outputs, Tensor):
-        return ("tensor",)
-    if isinstance(outputs, Mapping):
-        return ("mapping", *outputs.keys())
-    return ("tuple", len(cast(tuple[Tensor, ...], outputs)))
-
-
-def _unlike_first(outputs: object, kind: tuple[object, ...], buffers: Sequence[Tensor]) -> Problem | None:
-    """A problem when a mini-batch's outputs differ in kind, number, dtype or trailing shape from the first's."""
-    parts = as_outputs(outputs)
-    if _kind(outputs) == kind and len(parts) == len(buffers):
-        if all(out.dtype == buf.dtype and out.shape[1:] == buf.shape[1:] for out, buf in zip(parts, buffers)):
-            return None
-    described = [(str(out.dtype), tuple(out.shape[1:])) for out in parts]
-    first = [(str(buf.dtype), tuple(buf.shape[1:])) for buf in buffers]
-    return ValueError, (
-        "grad_cache: the module must return outputs of the same kind, number, dtype and trailing shape for every "
-        f"mini-batch; the first gave {first}, a later one {described}"
-    )
-
-
-def as_outputs(outputs: object) -> tuple[Tensor, ...]:
-    """A module's result as a tuple of tensors (the caller has checked it)."""
-    if isinstance(outputs, Mapping):
-        return tuple(outputs.values())
-    return (outputs,) if isinstance(outputs, Tensor) else tuple(cast(tuple[Tensor, ...], outputs))
-
-
 class GradCacheFunction(torch.autograd.Function):
     """``plan.encoder(*inputs)`` in mini-batches: no graph kept in forward, re-encoded in backward."""
 
@@ -162,6 +140,8 @@ class GradCacheFunction(torch.autograd.Function):
         problem: Problem | None = None
         for start, stop in plan.bounds:
             plan.rng_states.append(_rng_state(kind, indices))
+            if not plan.encodes(start, stop):
+                continue  # a real encoder may not take 0 rows, and nothing here needs the call
             # A rank with a problem keeps encoding: a collective inside the encoder (SyncBatchNorm)
             # must run as often on every rank. plan.settle raises it on all of them afterwards.
             try:
@@ -175,14 +155,19 @@ class GradCacheFunction(torch.autograd.Function):
                 continue
             problem = problem or plan.check_outputs(outputs, stop - start)
             if problem is None and not buffers:
-                plan.kind = _kind(outputs)
+                plan.kind = kind_of(outputs)
                 rows = plan.bounds[-1][1]  # padding ranges are empty ranges at the end
                 buffers = [out.new_empty((rows, *out.shape[1:])) for out in as_outputs(outputs)]
-            problem = problem or _unlike_first(outputs, plan.kind, buffers)
+            problem = problem or unlike_first(outputs, plan.kind, buffers)
             if problem is None:
                 for buffer, out in zip(buffers, as_outputs(outputs)):
                     buffer[start:stop] = out
         plan.settle(problem)
+        if plan.describe is not None:
+            mine = (plan.kind, tuple((str(b.dtype), tuple(b.shape[1:])) for b in buffers)) if buffers else None
+            description = plan.describe(mine)
+            if not buffers:
+                plan.kind, buffers = description[0], empty_outputs(description, plan.device)
         ctx.plan, ctx.input_count, ctx.kind, ctx.indices = plan, input_count, kind, indices
         ctx.save_for_backward(*tensors)
         return tuple(buffers)
@@ -196,9 +181,12 @@ class GradCacheFunction(torch.autograd.Function):
         wanted_parameters = [p for p, wanted in zip(parameters, wants[count:]) if wanted]
         sums: list[Tensor | None] = [None] * len(wanted_parameters)
         input_grads = [torch.zeros_like(x) if wanted else None for x, wanted in zip(inputs, wants[:count])]
-        warned = False
+        warned, encoded = False, False
         with torch.random.fork_rng(devices=ctx.indices, device_type=ctx.kind or "cuda"):
             for (start, stop), state in zip(plan.bounds, plan.rng_states):
+                if not plan.encodes(start, stop):
+                    continue
+                encoded = True
                 _set_rng_state(ctx.kind, ctx.indices, state)
                 pieces = [x.detach().requires_grad_(wanted)
                           for x, wanted in zip(plan.inputs.pieces(inputs, start, stop), wants[:count])]
@@ -208,8 +196,8 @@ class GradCacheFunction(torch.autograd.Function):
                 targets = [*wanted_parameters, *(piece for piece in pieces if piece.requires_grad)]
                 if not tracked or not targets:
                     continue
-                # Called on every rank for every mini-batch, empty ones included: a collective in the
-                # encoder's backward (SyncBatchNorm's all-reduce) runs as often everywhere.
+                # Called for every mini-batch encoded in forward, empty ones included there: a collective
+                # in the encoder's backward (SyncBatchNorm's all-reduce) runs as often on every rank.
                 if not warned:
                     warned = _warn_unregistered([out for out, _ in tracked], targets)
                 grads = _grads([out for out, _ in tracked], targets, [grad for _, grad in tracked])
@@ -219,6 +207,8 @@ class GradCacheFunction(torch.autograd.Function):
                 for input_grad, grad in zip([g for g in input_grads if g is not None], grads[len(sums) :]):
                     if grad is not None:  # a trimmed piece fills the leading columns of its rows
                         input_grad[(slice(start, stop), *(slice(0, size) for size in grad.shape[1:]))] = grad
+        if not encoded:  # no rows here: zeros, so that DDP's hooks fire on this rank too and it joins the reduction
+            sums = [torch.zeros_like(p) for p in wanted_parameters]
         summed = iter(sums)
         return (None, None, *input_grads, *(next(summed) if wanted else None for wanted in wants[count:]))
 

@@ -6,9 +6,12 @@ re-encode each mini-batch with gradient and back-propagate its slice of the embe
 :func:`grad_cache` packs this into one differentiable call; the autograd side lives in
 ``_grad_cache_function``.
 
-Every rank encodes the same number of mini-batches, ``K = max(1, ceil(max_r n_r / m))`` for per-rank
-batches ``n_r`` and ``mini_batch_size = m``, padding with empty ones, so a collective inside the
-encoder (``SyncBatchNorm``, a model-parallel layer) runs as often on every rank in forward and in
+Every rank runs the same number of mini-batches, ``K = max(1, ceil(max_r n_r / m))`` for per-rank
+batches ``n_r`` and ``mini_batch_size = m``, padding with empty ones. An empty one is skipped: the
+module is not called on 0 rows (a Hugging Face model or open_clip's ViT cannot take them), and a
+rank without any row learns the shape of its 0-row outputs from the others in one small exchange.
+Only a module with collectives of its own (``SyncBatchNorm``, a model-parallel layer: ``synchronized``)
+is called on the empty ones too, so that its collectives run as often on every rank in forward and in
 backward. The package's agreement exchange (the one every loss runs,
 :mod:`contrastive_dist.engine._agreement`) tells every rank the largest batch, and makes bad input
 or a ``mini_batch_size`` that differs between ranks raise the same error everywhere; a second one
@@ -33,8 +36,11 @@ from torch.nn.parameter import is_lazy
 from contrastive_dist._dist import GroupLike, is_distributed
 from contrastive_dist._validation import Problem
 from contrastive_dist.engine._agreement import agree
-from contrastive_dist.nn._grad_cache_function import CachePlan, GradCacheFunction, as_outputs
+from contrastive_dist.nn._ddp_forward import inside_forward
+from contrastive_dist.nn._grad_cache_function import CachePlan, GradCacheFunction
 from contrastive_dist.nn._grad_cache_inputs import flatten_inputs
+from contrastive_dist.nn._grad_cache_outputs import described, output_problem
+from contrastive_dist.nn.norm import SyncBatchNorm
 
 __all__ = ["grad_cache"]
 
@@ -45,6 +51,7 @@ def grad_cache(
     sizes: Sequence[int] | None = None,
     group: GroupLike = None,
     trim_padding: bool = False,
+    synchronized: bool | None = None,
     **keywords: Any,
 ) -> Tensor | tuple[Tensor, ...] | dict[str, Tensor]:
     """``module(*inputs)`` for the whole local batch, encoded ``mini_batch_size`` rows at a time.
@@ -58,9 +65,12 @@ def grad_cache(
     randomness and batch statistics that is ``module(*inputs)`` on the whole batch.
 
     Each parameter receives its gradient once per backward, summed over the mini-batches, so DDP's
-    reducer syncs once per parameter (no ``no_sync``), and Lightning's automatic optimization,
-    gradient accumulation and ``torch.autocast`` work unchanged. Call it where the module would be
-    called: inside the forward of the ``DistributedDataParallel`` model, or in ``training_step``.
+    reducer syncs once per parameter (no ``no_sync``), also with ``find_unused_parameters=True`` and
+    layers the module does not use (their gradient stays ``None``; a rank without rows gives zeros), and
+    Lightning's automatic optimization, gradient accumulation and ``torch.autocast`` work unchanged.
+    Call it where the module would be called: inside the forward of the ``DistributedDataParallel``
+    model, in ``training_step``, or on the ``DistributedDataParallel`` model itself (its forward then
+    runs once, around the encodes of its inner module).
     The same module may be used by several calls (two views through one encoder); every loss and
     communication mode takes the outputs like any other embeddings.
 
@@ -73,8 +83,8 @@ def grad_cache(
 
     Args:
         module: the encoder: an ``nn.Module``, or a bound method of one (``model.encode_image``),
-            whose parameters that require gradient receive it. Not a ``DistributedDataParallel``
-            wrapper: call this inside its forward, on the inner module.
+            whose parameters that require gradient receive it; a ``DistributedDataParallel`` model
+            encodes with its inner module, inside one forward of the wrapper.
         *inputs: tensors with the same leading (batch) size, split along it (images; or tokens and
             an attention mask), or mappings of names to such tensors (a sentence-transformers
             model's ``features``); other values in a mapping are passed to every call as they are.
@@ -86,6 +96,9 @@ def grad_cache(
         trim_padding: drop, per mini-batch, the columns past the last one its ``attention_mask``
             keeps, from the tensors beside that mask (in its mapping, or the keywords) that span the
             sequence, as sentence-transformers does; the module's outputs must not depend on the width.
+        synchronized: whether the module runs collectives of its own (then every rank calls it for
+            every mini-batch, empty ones included, and it must take 0 rows); default: whether it holds
+            a synchronized BatchNorm (``torch.nn.SyncBatchNorm`` or this package's). The same on every rank.
         **keywords: keyword inputs of the module (``input_ids=…, attention_mask=…``), split like
             ``inputs``.
 
@@ -95,14 +108,15 @@ def grad_cache(
 
     Raises:
         TypeError: ``mini_batch_size`` not an int, an input that is not a tensor (or a mapping), a
-            module that is not an ``nn.Module`` (or a method of one) or returns something other than tensors.
+            module that is not an ``nn.Module`` (or a method of one, not of a ``DistributedDataParallel``
+            wrapper) or returns something other than tensors.
         RuntimeError: in backward, when the module uses reentrant checkpointing
             (``torch.utils.checkpoint(..., use_reentrant=True)``), which ``torch.autograd.grad`` cannot run.
 
     Warns:
         UserWarning: in backward, when the module uses a tensor that requires gradient but is not
             one of its parameters (nor an input): that tensor receives no gradient.
-        ValueError: ``mini_batch_size`` < 1 or not the same on every rank, inputs with different
+        ValueError: ``mini_batch_size`` < 1 or it or ``synchronized`` not the same on every rank, inputs with different
             leading sizes, outputs whose leading size is not the mini-batch's. These are raised on
             every rank of ``group``, and so is an error the module raised on some ranks only (its
             type if a ``ValueError``/``TypeError``, else ``RuntimeError``, naming the rank and the
@@ -110,7 +124,7 @@ def grad_cache(
             module's error is raised as it is.
 
     Shape:
-        inputs: ``(n, *)`` each, ``n`` may be 0 (an empty rank still encodes in step).
+        inputs: ``(n, *)`` each, ``n`` may be 0 (an empty rank still takes part in every exchange).
         output: ``(n, *)`` each, what ``module`` returns for ``n`` rows.
 
     Example:
@@ -126,13 +140,20 @@ def grad_cache(
         >>> torch.allclose(image_tower.weight.grad, expected, atol=1e-6)
         True
     """
+    if isinstance(module, DistributedDataParallel):
+        return inside_forward(module, lambda inner: grad_cache(
+            inner, *inputs, mini_batch_size=mini_batch_size, sizes=sizes, group=group, trim_padding=trim_padding,
+            synchronized=synchronized, **keywords))
     flat, input_problem = flatten_inputs(inputs, keywords, trim_padding)
     tensors = flat.tensors
     problem, owner = _local_problem(module, tensors, mini_batch_size, input_problem)
+    if synchronized is None and owner is not None:
+        synchronized = any(isinstance(layer, (SyncBatchNorm, nn.SyncBatchNorm)) for layer in owner.modules())
     rows = tensors[0].shape[0] if problem is None else 0
     # Inputs may differ across ranks beyond their rows (tokens padded per rank): only rows are compared.
     layout = agree(tensors, problem=problem, group=group, operation="grad_cache", sizes=sizes, rows=rows,
-                   options={"mini_batch_size": mini_batch_size}, compare_inputs=False)
+                   options={"mini_batch_size": mini_batch_size, "synchronized": bool(synchronized)},
+                   compare_inputs=False)
     owner = cast(nn.Module, owner)  # every problem, a missing owner included, was raised above
     count = max(1, math.ceil(max(layout.sizes) / mini_batch_size))
     bounds = [(min(k * mini_batch_size, rows), min((k + 1) * mini_batch_size, rows)) for k in range(count)]
@@ -147,14 +168,21 @@ def grad_cache(
     def settle(output_problem: Problem | None) -> None:
         agree(tensors, problem=output_problem, group=group, operation="grad_cache", rows=0, compare_inputs=False)
 
+    # No rows anywhere: the module's call on 0 rows is the only way to learn what it returns.
+    encode_empty = bool(synchronized) or max(layout.sizes) == 0
+    # Some rank encodes nothing: it takes its outputs' description from a rank that did.
+    describe = None if encode_empty or min(layout.sizes) > 0 else lambda mine: described(mine, layout.group)
     plan = CachePlan(
         encoder=module,
         inputs=flat,
         batch_norms=[layer for layer in owner.modules() if isinstance(layer, _BatchNorm)],
         bounds=bounds,
-        check_outputs=_output_problem,
+        check_outputs=output_problem,
         settle=settle,
         exchange=exchange,
+        encode_empty=encode_empty,
+        describe=describe,
+        device=next(iter(parameters), tensors[0]).device,
     )
     outputs = GradCacheFunction.apply(plan, len(tensors), *tensors, *parameters)
     if plan.kind[0] == "mapping":
@@ -198,18 +226,3 @@ def _local_problem(
         return (ValueError, f"every input must have the same leading (batch) size, got shapes "
                 f"{shapes}"), None
     return None, owner
-
-
-def _output_problem(outputs: object, rows: int) -> Problem | None:
-    """A problem when ``outputs`` is not a tensor, tuple or dict of tensors with ``rows`` leading rows each."""
-    is_tuple = isinstance(outputs, tuple) and len(outputs) > 0 and all(isinstance(x, Tensor) for x in outputs)
-    is_mapping = isinstance(outputs, Mapping) and len(outputs) > 0 and all(
-        isinstance(key, str) and isinstance(x, Tensor) for key, x in outputs.items())
-    if not (isinstance(outputs, Tensor) or is_tuple or is_mapping):
-        return TypeError, (f"the module must return a tensor, a tuple of tensors or a dict of tensors, got "
-                           f"{type(outputs).__name__}")
-    shapes = [tuple(out.shape) for out in as_outputs(outputs)]
-    if any(len(shape) == 0 or shape[0] != rows for shape in shapes):
-        return ValueError, (f"every output must have the inputs' leading size ({rows} rows in this "
-                            f"mini-batch), got shapes {shapes}")
-    return None
