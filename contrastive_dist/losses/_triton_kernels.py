@@ -6,7 +6,7 @@ are a positive column and an excluded column per row (``-1``: none) and, with ke
 pairs whose row and column keys are equal, compared in the tile (``KEY_RULE``: 1, they are positives;
 2, they leave the row's candidates, its positive excepted; 0, no keys). The formulas are those of
 :mod:`._softmax` and :mod:`._sigmoid`, term for term; the shared pieces are written once here as
-``@triton.jit`` helpers. Importable without Triton (the kernels are then absent).
+``@triton.jit`` helpers in :mod:`._triton_tiles`. Importable without Triton (the kernels are then absent).
 
 Per logit, the arithmetic is the GPU's fast kind: ``tl.exp`` (the hardware's ``ex2``), ``/`` (its
 approximate division) and :func:`_log1p`'s series, each within a few ulp of float32, far inside the
@@ -20,8 +20,6 @@ tests the hardware's approximations.
 from __future__ import annotations
 
 from typing import Any
-
-from contrastive_dist.losses._targets import MASKED
 
 try:
     import triton
@@ -38,199 +36,26 @@ sigmoid_kernel: Any = None
 state_kernel: Any = None
 
 if triton is not None:
-    _NO_KEYS, _KEYS_POSITIVE, _KEYS_MASKED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # KEY_RULE
-    _NO_CANDIDATE = tl.constexpr(-0.5 * MASKED)  # a row maximum below this: no candidate (see _targets.MASKED)
-    _TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny, as _softmax clamps by
-
-    @triton.jit
-    def _log1p(x):
-        """``log1p(x)`` for ``x ∈ [0, 1]``: ``2 atanh(s)``, ``s = x / (2 + x) ∈ [0, 1/3]``, by its series.
-
-        Fast arithmetic rather than libdevice's: one division, seven multiply-adds and three products,
-        the terms to ``s¹⁵/15`` (the next is below ``2⁻²⁹`` of the sum). Relative error a few ulp for
-        every ``x``, ``x → 0`` too (``log(1 + x)`` from an approximate ``log`` is not: its error is
-        absolute).
-        """
-        s = x / (2.0 + x)
-        t = s * s
-        series = t * (1.0 / 15.0) + 1.0 / 13.0
-        series = series * t + 1.0 / 11.0
-        series = series * t + 1.0 / 9.0
-        series = series * t + 1.0 / 7.0
-        series = series * t + 1.0 / 5.0
-        series = series * t + 1.0 / 3.0
-        series = series * t + 1.0
-        return 2.0 * s * series
-
-    @triton.jit
-    def _row_targets(pos_ptr, excl_ptr, pos_shift, rows, row_ok, m, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr):
-        """Each row's positive (its stored index less ``pos_shift``) and excluded column in ``[0, m)``, or -1."""
-        pos = tl.full(rows.shape, -1, tl.int64)
-        excl = tl.full(rows.shape, -1, tl.int64)
-        if HAS_POS:
-            pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1) - pos_shift
-            pos = tl.where((pos >= 0) & (pos < m), pos, -1)
-        if HAS_EXCL:
-            excl = tl.load(excl_ptr + rows, mask=row_ok, other=-1)
-            excl = tl.where((excl >= 0) & (excl < m), excl, -1)
-        return pos, excl
-
-    @triton.jit
-    def _logits(p_ptr, rows, cols, stride_r, stride_c, row_ok, col_ok, scale, bias, HAS_BIAS: tl.constexpr):
-        """``s · P (+ b)`` of one tile; entries outside the block are 0 (every caller masks them)."""
-        offsets = rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c
-        product = tl.load(p_ptr + offsets, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        logits = product * scale
-        if HAS_BIAS:
-            logits = logits + bias
-        return logits
-
-    @triton.jit
-    def _scalars(scale_ptr, bias_ptr, HAS_BIAS: tl.constexpr):
-        scale = tl.load(scale_ptr)
-        bias = 0.0
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr)
-        return scale, bias
-
-    @triton.jit
-    def _row_keys(rk_ptr, rows, row_ok, KEY_RULE: tl.constexpr):
-        """The rows' keys (0 without keys: never compared)."""
-        if KEY_RULE != _NO_KEYS:
-            return tl.load(rk_ptr + rows, mask=row_ok, other=0)
-        else:
-            return tl.zeros(rows.shape, tl.int64)
-
-    @triton.jit
-    def _tile_targets(rows, cols, col_ok, pos, excl, row_keys, ck_ptr, keyed, KEY_RULE: tl.constexpr):
-        """``(at_positive, by_key, left_out)`` of one tile, each ``(BR, BC)``.
-
-        ``at_positive``: the row's positive column; ``by_key``: its positives by key (KEY_RULE 1: the
-        pairs that share its key, its excluded column excepted; else none); ``left_out``: no candidate
-        (its excluded column, the columns past the block and, KEY_RULE 2, the pairs that share its key
-        but its positive). The block's columns past ``keyed`` have no key.
-        """
-        at_positive = cols[None, :] == pos[:, None]
-        excluded = cols[None, :] == excl[:, None]
-        left_out = excluded | ~col_ok[None, :]
-        by_key = (rows[:, None] < 0) & (cols[None, :] < 0)  # none
-        if KEY_RULE != _NO_KEYS:
-            keyed_here = col_ok & (cols < keyed)
-            column_keys = tl.load(ck_ptr + cols, mask=keyed_here, other=0)
-            same = (row_keys[:, None] == column_keys[None, :]) & keyed_here[None, :]
-            if KEY_RULE == _KEYS_POSITIVE:
-                by_key = same & ~excluded
-            else:
-                left_out = left_out | (same & ~at_positive)
-        return at_positive, by_key, left_out
-
-    @triton.jit
-    def _finite(row_max):
-        return tl.where(row_max == float("-inf"), 0.0, row_max)
-
-    @triton.jit
-    def _stats(p_ptr, stride_r, stride_c, rows, row_ok, begin, end, scale, bias, pos, excl, row_keys, ck_ptr, keyed,
-               HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, KEY_RULE: tl.constexpr, BC: tl.constexpr):
-        """Online over columns ``[begin, end)``: the maximum, Σ exp(l − max), the exact part and the positives.
-
-        Returns ``(max, rest, exact, key_sum, key_count)``. With a positive column (HAS_POS) the sum
-        runs over the candidates but the positive, and ``exact`` is its logit (0 where it is not in the
-        span), its term kept exactly; with positives by key and no positive column (SupCon's anchors),
-        ``exact`` counts the candidates equal to the maximum (each term exactly 1), left out of the
-        sum. ``key_sum``, ``key_count``: the positives by key's logits and number (KEY_RULE 1).
-        """
-        row_max = tl.full(rows.shape, float("-inf"), tl.float32)
-        rest = tl.zeros(rows.shape, tl.float32)
-        exact = tl.zeros(rows.shape, tl.float32)
-        key_sum = tl.zeros(rows.shape, tl.float32)
-        key_count = tl.zeros(rows.shape, tl.float32)
-        for start in range(begin, end, BC):
-            cols = start + tl.arange(0, BC)
-            col_ok = cols < end
-            logits = _logits(p_ptr, rows, cols, stride_r, stride_c, row_ok, col_ok, scale, bias, HAS_BIAS)
-            at_positive, by_key, left_out = _tile_targets(rows, cols, col_ok, pos, excl, row_keys, ck_ptr, keyed,
-                                                          KEY_RULE)
-            if KEY_RULE == _KEYS_POSITIVE:  # before the exclusion, as _softmax reads them
-                key_sum += tl.sum(tl.where(by_key, logits, 0.0), axis=1)
-                key_count += tl.sum(by_key.to(tl.float32), axis=1)
-            candidates = tl.where(left_out, float("-inf"), logits)
-            new_max = tl.maximum(row_max, tl.max(candidates, axis=1))
-            shift = _finite(new_max)
-            terms = tl.exp(candidates - shift[:, None])
-            factor = tl.exp(row_max - shift)
-            if HAS_POS or KEY_RULE != _KEYS_POSITIVE:
-                # Before the exclusion, as _softmax reads it; exactly one tile holds it: the sum adds zeros.
-                exact += tl.sum(tl.where(at_positive, logits, 0.0), axis=1)
-                terms = tl.where(at_positive, 0.0, terms)
-                rest = rest * factor + tl.sum(terms, axis=1)
-            else:
-                at_max = (candidates == new_max[:, None]) & (new_max > float("-inf"))[:, None]
-                grew = new_max > row_max  # the maxima counted so far move into the sum, scaled
-                terms = tl.where(at_max, 0.0, terms)
-                rest = rest * factor + tl.where(grew, exact * factor, 0.0) + tl.sum(terms, axis=1)
-                exact = tl.where(grew, 0.0, exact) + tl.sum(at_max.to(tl.float32), axis=1)
-            row_max = new_max
-        return row_max, rest, exact, key_sum, key_count
-
-    @triton.jit
-    def _finish(row_max, rest, exact, key_sum, key_count, pos, excl, HAS_POS: tl.constexpr,
-                KEY_RULE: tl.constexpr):
-        """The five numbers of _softmax.block_state_ from :func:`_stats`' (merged over spans)."""
-        row_max = tl.where(row_max < _NO_CANDIDATE, float("-inf"), row_max)
-        rest = tl.where(row_max == float("-inf"), 0.0, rest)
-        if HAS_POS or KEY_RULE != _KEYS_POSITIVE:  # exact: the positive's logit, its term formed now
-            present = pos >= 0
-            positive = exact
-            exact = tl.where(present & (pos != excl), tl.exp(positive - _finite(row_max)), 0.0)
-            if KEY_RULE != _KEYS_POSITIVE:  # the positive column is the row's one positive
-                key_sum = tl.where(present, positive, 0.0)
-                key_count = present.to(tl.float32)
-        return row_max, rest, exact, key_sum, key_count
-
-    @triton.jit
-    def _store_state(state_ptr, rows, row_ok, row_max, rest, exact, pos_sum, pos_count):
-        tl.store(state_ptr + rows * 5, row_max, mask=row_ok)
-        tl.store(state_ptr + rows * 5 + 1, rest, mask=row_ok)
-        tl.store(state_ptr + rows * 5 + 2, exact, mask=row_ok)
-        tl.store(state_ptr + rows * 5 + 3, pos_sum, mask=row_ok)
-        tl.store(state_ptr + rows * 5 + 4, pos_count, mask=row_ok)
-
-    @triton.jit
-    def _row_weights(w_ptr, rows, row_ok, pos_count, HAS_W: tl.constexpr):
-        """``live``: the row's weight (1 unweighted), 0 for a row without positive (no loss, no gradient)."""
-        weights = tl.full(rows.shape, 1.0, tl.float32)
-        if HAS_W:
-            weights = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
-        return tl.where(pos_count > 0, weights, 0.0)
-
-    @triton.jit
-    def _softmax_grad_tile(logits, at_positive, by_key, left_out, row_max, rest, exact, pos_count, live,
-                           KEY_RULE: tl.constexpr):
-        """``live · (p − t)`` of one tile, as in gradient_.
-
-        A positive column's entry is −live (rest + (exact − own)) / Σ, without cancellation; positives by
-        key (KEY_RULE 1) take ``live · p − live / count`` each.
-        """
-        numerators = tl.exp(tl.where(left_out, float("-inf"), logits) - _finite(row_max)[:, None])
-        total = tl.maximum(rest + exact, _TINY)
-        # The rows' statistics take IEEE divisions (div_rn), as the eager chain's: once per row, not per logit.
-        softmax_weight = tl.math.div_rn(live, total)
-        if KEY_RULE == _KEYS_POSITIVE:
-            per_positive = tl.math.div_rn(live, tl.maximum(pos_count, 1.0))
-            return numerators * softmax_weight[:, None] - tl.where(by_key, per_positive[:, None], 0.0)
-        else:
-            # The positive's own numerator from this tile: only the tile holding it writes its entry.
-            own = tl.sum(tl.where(at_positive, numerators, 0.0), axis=1)
-            entry = tl.math.div_rn(-live * (rest + (exact - own)), total)
-            return tl.where(at_positive, entry[:, None], numerators * softmax_weight[:, None])
-
-    @triton.jit
-    def _store_grad(g_ptr, stride_r, stride_c, rows, cols, row_ok, col_ok, grad, ACCUMULATE: tl.constexpr):
-        offsets = rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c
-        mask = row_ok[:, None] & col_ok[None, :]
-        if ACCUMULATE:
-            grad += tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        tl.store(g_ptr + offsets, grad.to(g_ptr.dtype.element_ty), mask=mask)
+    from contrastive_dist.losses._triton_tiles import (  # noqa: F401 - the kernels' globals, for Triton
+        _KEYS_MASKED,
+        _KEYS_POSITIVE,
+        _NO_CANDIDATE,
+        _NO_KEYS,
+        _TINY,
+        _finish,
+        _finite,
+        _log1p,
+        _logits,
+        _row_keys,
+        _row_targets,
+        _row_weights,
+        _scalars,
+        _softmax_grad_tile,
+        _stats,
+        _store_grad,
+        _store_state,
+        _tile_targets,
+    )
 
     @triton.jit
     def sigmoid_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, pos_ptr, excl_ptr, pos_shift, rk_ptr, ck_ptr,
