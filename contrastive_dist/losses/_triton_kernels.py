@@ -46,6 +46,7 @@ if triton is not None:
         _finite,
         _log1p,
         _logits,
+        _program_rows,
         _row_keys,
         _row_targets,
         _row_weights,
@@ -54,6 +55,7 @@ if triton is not None:
         _stats,
         _store_grad,
         _store_state,
+        _tile,
         _tile_targets,
     )
 
@@ -63,24 +65,20 @@ if triton is not None:
                        HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr,
                        HAS_W: tl.constexpr, WRITE_G: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         """Rows' Σ softplus(−z·l) over one span of columns and, with WRITE_G, G = −z·σ(−z·l)·w and its row sums."""
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        row_ok = rows < c
+        rows, row_ok, scale, bias, pos, excl, row_keys = _program_rows(
+            scale_ptr, bias_ptr, pos_ptr, excl_ptr, pos_shift, rk_ptr, c, m, BR, HAS_BIAS, HAS_POS, HAS_EXCL, KEY_RULE)
         begin = tl.program_id(1) * span
         end = tl.minimum(begin + span, m)
-        scale, bias = _scalars(scale_ptr, bias_ptr, HAS_BIAS)
-        pos, excl = _row_targets(pos_ptr, excl_ptr, pos_shift, rows, row_ok, m, HAS_POS, HAS_EXCL)
-        row_keys = _row_keys(rk_ptr, rows, row_ok, KEY_RULE)
         weights = tl.full(rows.shape, 1.0, tl.float32)
         if HAS_W:
             weights = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
         sums = tl.zeros(rows.shape, tl.float32)
         grad_sums = tl.zeros(rows.shape, tl.float32)
         for start in range(begin, end, BC):
-            cols = start + tl.arange(0, BC)
-            col_ok = cols < end
-            logits = _logits(p_ptr, rows, cols, stride_r, stride_c, row_ok, col_ok, scale, bias, HAS_BIAS)
-            at_positive, by_key, left_out = _tile_targets(rows, cols, col_ok, pos, excl, row_keys, ck_ptr, keyed,
-                                                          KEY_RULE)
+            cols, col_ok, logits, at_positive, by_key, left_out = _tile(
+                p_ptr, stride_r, stride_c, rows, row_ok, start, end, scale, bias, pos, excl, row_keys, ck_ptr, keyed,
+                HAS_BIAS, KEY_RULE, BC,
+            )
             if KEY_RULE == _KEYS_POSITIVE:  # every pair that shares the row's key is a positive, its own among them
                 at_positive = by_key
             # The margins −z·l; the pairs left out and the columns past the span are no term (-inf).
@@ -109,13 +107,10 @@ if triton is not None:
         Final ``(c, 5)`` when SINGLE, else a partial ``(splits, c, 5)`` (:func:`_stats`' five numbers)
         for :func:`finish_kernel`.
         """
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        row_ok = rows < c
+        rows, row_ok, scale, bias, pos, excl, row_keys = _program_rows(
+            scale_ptr, bias_ptr, pos_ptr, excl_ptr, pos_shift, rk_ptr, c, m, BR, HAS_BIAS, HAS_POS, HAS_EXCL, KEY_RULE)
         begin = tl.program_id(1) * span
         end = tl.minimum(begin + span, m)
-        scale, bias = _scalars(scale_ptr, bias_ptr, HAS_BIAS)
-        pos, excl = _row_targets(pos_ptr, excl_ptr, pos_shift, rows, row_ok, m, HAS_POS, HAS_EXCL)
-        row_keys = _row_keys(rk_ptr, rows, row_ok, KEY_RULE)
         row_max, rest, exact, key_sum, key_count = _stats(
             p_ptr, stride_r, stride_c, rows, row_ok, begin, end, scale, bias, pos, excl, row_keys, ck_ptr, keyed,
             HAS_BIAS, HAS_POS, KEY_RULE, BC,
@@ -166,20 +161,17 @@ if triton is not None:
                     HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr,
                     HAS_W: tl.constexpr, ACCUMULATE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         """One tile of the softmax gradient from the rows' final state: written, or added with ACCUMULATE."""
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        row_ok = rows < c
-        cols = tl.program_id(1) * BC + tl.arange(0, BC)
-        col_ok = cols < m
-        scale, bias = _scalars(scale_ptr, bias_ptr, HAS_BIAS)
-        pos, excl = _row_targets(pos_ptr, excl_ptr, pos_shift, rows, row_ok, m, HAS_POS, HAS_EXCL)
-        row_keys = _row_keys(rk_ptr, rows, row_ok, KEY_RULE)
+        rows, row_ok, scale, bias, pos, excl, row_keys = _program_rows(
+            scale_ptr, bias_ptr, pos_ptr, excl_ptr, pos_shift, rk_ptr, c, m, BR, HAS_BIAS, HAS_POS, HAS_EXCL, KEY_RULE)
         row_max = tl.load(state_ptr + rows * 5, mask=row_ok, other=0.0)
         rest = tl.load(state_ptr + rows * 5 + 1, mask=row_ok, other=0.0)
         exact = tl.load(state_ptr + rows * 5 + 2, mask=row_ok, other=0.0)
         pos_count = tl.load(state_ptr + rows * 5 + 4, mask=row_ok, other=0.0)
         live = _row_weights(w_ptr, rows, row_ok, pos_count, HAS_W)
-        logits = _logits(p_ptr, rows, cols, stride_r, stride_c, row_ok, col_ok, scale, bias, HAS_BIAS)
-        at_positive, by_key, left_out = _tile_targets(rows, cols, col_ok, pos, excl, row_keys, ck_ptr, keyed, KEY_RULE)
+        cols, col_ok, logits, at_positive, by_key, left_out = _tile(
+            p_ptr, stride_r, stride_c, rows, row_ok, tl.program_id(1) * BC, m, scale, bias, pos, excl, row_keys, ck_ptr,
+            keyed, HAS_BIAS, KEY_RULE, BC,
+        )
         grad = _softmax_grad_tile(logits, at_positive, by_key, left_out, row_max, rest, exact, pos_count, live,
                                   KEY_RULE)
         _store_grad(g_ptr, g_stride_r, g_stride_c, rows, cols, row_ok, col_ok, grad, ACCUMULATE)
@@ -190,11 +182,8 @@ if triton is not None:
                      HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr,
                      HAS_W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         """Whole rows: the state (first pass over the row), then the gradient from it (second pass)."""
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        row_ok = rows < c
-        scale, bias = _scalars(scale_ptr, bias_ptr, HAS_BIAS)
-        pos, excl = _row_targets(pos_ptr, excl_ptr, pos_shift, rows, row_ok, m, HAS_POS, HAS_EXCL)
-        row_keys = _row_keys(rk_ptr, rows, row_ok, KEY_RULE)
+        rows, row_ok, scale, bias, pos, excl, row_keys = _program_rows(
+            scale_ptr, bias_ptr, pos_ptr, excl_ptr, pos_shift, rk_ptr, c, m, BR, HAS_BIAS, HAS_POS, HAS_EXCL, KEY_RULE)
         row_max, rest, exact, key_sum, key_count = _stats(
             p_ptr, stride_r, stride_c, rows, row_ok, 0, m, scale, bias, pos, excl, row_keys, ck_ptr, keyed,
             HAS_BIAS, HAS_POS, KEY_RULE, BC,
@@ -204,11 +193,10 @@ if triton is not None:
         _store_state(state_ptr, rows, row_ok, row_max, rest, exact, pos_sum, pos_count)
         live = _row_weights(w_ptr, rows, row_ok, pos_count, HAS_W)
         for start in range(0, m, BC):
-            cols = start + tl.arange(0, BC)
-            col_ok = cols < m
-            logits = _logits(p_ptr, rows, cols, stride_r, stride_c, row_ok, col_ok, scale, bias, HAS_BIAS)
-            at_positive, by_key, left_out = _tile_targets(rows, cols, col_ok, pos, excl, row_keys, ck_ptr, keyed,
-                                                          KEY_RULE)
+            cols, col_ok, logits, at_positive, by_key, left_out = _tile(
+                p_ptr, stride_r, stride_c, rows, row_ok, start, m, scale, bias, pos, excl, row_keys, ck_ptr, keyed,
+                HAS_BIAS, KEY_RULE, BC,
+            )
             grad = _softmax_grad_tile(logits, at_positive, by_key, left_out, row_max, rest, exact, pos_count, live,
                                       KEY_RULE)
             _store_grad(g_ptr, g_stride_r, g_stride_c, rows, cols, row_ok, col_ok, grad, False)

@@ -31,6 +31,8 @@ __all__ = [
     "_scalars",
     "_row_keys",
     "_tile_targets",
+    "_program_rows",
+    "_tile",
     "_finite",
     "_stats",
     "_finish",
@@ -128,6 +130,26 @@ if triton is not None:
         return at_positive, by_key, left_out
 
     @triton.jit
+    def _program_rows(scale_ptr, bias_ptr, pos_ptr, excl_ptr, pos_shift, rk_ptr, c, m, BR: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr):
+        """The program's rows and what every kernel reads of them: ``(rows, row_ok, scale, bias, pos, excl, keys)``."""
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        row_ok = rows < c
+        scale, bias = _scalars(scale_ptr, bias_ptr, HAS_BIAS)
+        pos, excl = _row_targets(pos_ptr, excl_ptr, pos_shift, rows, row_ok, m, HAS_POS, HAS_EXCL)
+        return rows, row_ok, scale, bias, pos, excl, _row_keys(rk_ptr, rows, row_ok, KEY_RULE)
+
+    @triton.jit
+    def _tile(p_ptr, stride_r, stride_c, rows, row_ok, start, end, scale, bias, pos, excl, row_keys, ck_ptr, keyed,
+              HAS_BIAS: tl.constexpr, KEY_RULE: tl.constexpr, BC: tl.constexpr):
+        """The tile of columns ``[start, start + BC)`` (those before ``end``): ``(cols, col_ok, logits, *targets)``."""
+        cols = start + tl.arange(0, BC)
+        col_ok = cols < end
+        logits = _logits(p_ptr, rows, cols, stride_r, stride_c, row_ok, col_ok, scale, bias, HAS_BIAS)
+        at_positive, by_key, left_out = _tile_targets(rows, cols, col_ok, pos, excl, row_keys, ck_ptr, keyed, KEY_RULE)
+        return cols, col_ok, logits, at_positive, by_key, left_out
+
+    @triton.jit
     def _finite(row_max):
         return tl.where(row_max == float("-inf"), 0.0, row_max)
 
@@ -148,11 +170,10 @@ if triton is not None:
         key_sum = tl.zeros(rows.shape, tl.float32)
         key_count = tl.zeros(rows.shape, tl.float32)
         for start in range(begin, end, BC):
-            cols = start + tl.arange(0, BC)
-            col_ok = cols < end
-            logits = _logits(p_ptr, rows, cols, stride_r, stride_c, row_ok, col_ok, scale, bias, HAS_BIAS)
-            at_positive, by_key, left_out = _tile_targets(rows, cols, col_ok, pos, excl, row_keys, ck_ptr, keyed,
-                                                          KEY_RULE)
+            _, _, logits, at_positive, by_key, left_out = _tile(
+                p_ptr, stride_r, stride_c, rows, row_ok, start, end, scale, bias, pos, excl, row_keys, ck_ptr, keyed,
+                HAS_BIAS, KEY_RULE, BC,
+            )
             if KEY_RULE == _KEYS_POSITIVE:  # before the exclusion, as _softmax reads them
                 key_sum += tl.sum(tl.where(by_key, logits, 0.0), axis=1)
                 key_count += tl.sum(by_key.to(tl.float32), axis=1)

@@ -54,13 +54,13 @@ def hcl(
         temperature: used when ``logit_scale`` is ``None``; > 0.
         beta: the hardness ``β ≥ 0`` of the negatives' reweighting (0: uniform).
         tau_plus: the prior ``τ⁺ ∈ [0, 1)`` that a negative is a positive (0: no debiasing).
-        chunk_size: anchors per logit block, or chosen from the shapes.
-        group: a process group or a device mesh, default the world ([group][option-group]).
-        sizes: every rank's sample count, when the caller knows it.
-        weight: ``(n_r,)`` each sample's weight ≥ 0 (both of its anchors').
-        reduction: ``"mean"``, or ``"none"``: each sample's loss (its two anchors' mean).
-        communication: ``"gather"`` or ``"ring"`` (the anchors' blocks travel).
-        ids: ``(n_r,)`` int64; samples with equal ids are not each other's negatives.
+        chunk_size: anchors a logit block ([chunk_size][option-chunk-size]).
+        group: see [group][option-group].
+        sizes: see [sizes][option-sizes].
+        weight: one per sample, for both of its anchors ([weight][option-weight]).
+        reduction: ``"mean"`` or ``"none"``, each sample's loss: its two anchors' mean.
+        communication: see [communication][option-communication].
+        ids: ``(n_r,)`` int64: samples with equal ids are not each other's negatives ([ids][option-ids]).
 
     Shape:
         z1, z2: ``(n_r, D)``; weight, ids: ``(n_r,)``; output: ``()``, or ``(n_r,)`` with ``reduction="none"``.
