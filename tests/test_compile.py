@@ -82,6 +82,14 @@ GROUPS = {
         ("clip:mask:mean:ring", 2, (3, 2), "float64"),
         ("clip:mask:weighted:shared", 2, (3, 2), "float64"),
     ],
+    # Ring mode with ids as positives (columns' keys travelling with their block) and NT-Xent's ring, whose
+    # rows are their own columns (the same tensor given twice).
+    "ring, positives by id, NT-Xent": [
+        ("clip:positive:mean:ring", 2, (3, 2), "float64"),
+        ("clip:positive:none:ring", 2, (3, 2), "float64"),
+        ("ntxent::mean:ring", 2, (3, 2), "float64"),
+        ("ntxent::none:ring", None, (3, 2), "float64"),
+    ],
 }
 """Cases in groups of a few compilations each (a failure names its group): every group takes 6–30 s on
 an idle machine, 113 s for all of them."""
