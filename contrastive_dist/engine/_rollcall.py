@@ -19,28 +19,36 @@ timeout. So on a failure the ranks ask one another, through the group's c10d sto
 4. A group that lost ranks stays broken, so a rank that fails on it again names the same ranks
    without a new roll call: survivors that have exited since, after their own error, are not the cause.
 
-Nothing is written to the store unless something failed (the thread's reads cost nothing on the
-wire of the collectives). Without a store (a backend or launcher that has none), the roll call
-answers ``None`` and errors name the peers the transfer talked to, as before.
+The same thread answers a second kind of question, asked by a rank whose wait drags on
+(:mod:`~contrastive_dist.engine._crossed`): *where do you stand?* Each rank answers with its
+standing on the group (:func:`~contrastive_dist.engine._progress.standing`: its calls, its
+collectives, the one it waits in) under ``standing/<rank>``, overwritten at each question.
+
+Nothing is written to the store unless something failed or a wait dragged on (the thread's reads
+cost nothing on the wire of the collectives). Without a store (a backend or launcher that has none),
+the roll call answers ``None`` and errors name the peers the transfer talked to, as before.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["ROLL_CALL_S", "alarm_seen", "gone_ranks", "watch"]
+from contrastive_dist.engine._progress import standing
+
+__all__ = ["PREFIX", "ROLL_CALL_S", "alarm_seen", "ask_standing", "gone_ranks", "watch"]
 
 ROLL_CALL_S = 1.5
 """How long a live rank may take to answer; a rank silent for longer is taken for gone."""
 _POLL_S = 0.1
 """How often the answering thread (and a waiting rank) reads the alarm."""
-_PREFIX = "contrastive_dist/faults/"
+PREFIX = "contrastive_dist/faults/"
 
 
 class _Watched:
@@ -49,6 +57,7 @@ class _Watched:
     def __init__(self, group: ProcessGroup, store: Any, rank: int, world_size: int) -> None:
         self.group, self.store, self.rank, self.world_size = group, store, rank, world_size
         self.answered = 0  # incidents 1..answered have this rank's answer
+        self.asked = 0  # questions 1..asked about the ranks' standing have this rank's answer
         self.verdicts: dict[int, tuple[int, ...]] = {}
         self.lock = threading.Lock()
         self.broken = False  # the store failed once (it may have lived in a dead process): not asked again
@@ -133,11 +142,17 @@ def _still_exists(group: ProcessGroup) -> bool:
 
 
 def _answer(record: _Watched) -> int:
-    """Answer every alarm raised on the group so far; the number of the latest (0: none)."""
+    """Answer every alarm raised on the group so far, and the latest question; the number of the latest alarm."""
     with record.lock:
-        while record.store.check([f"{_PREFIX}alarm/{record.answered + 1}"]):
+        while record.store.check([f"{PREFIX}alarm/{record.answered + 1}"]):
             record.answered += 1
-            record.store.set(f"{_PREFIX}alive/{record.answered}/{record.rank}", "1")
+            record.store.set(f"{PREFIX}alive/{record.answered}/{record.rank}", "1")
+        asked = record.asked
+        while record.store.check([f"{PREFIX}asked/{record.asked + 1}"]):
+            record.asked += 1
+        if record.asked > asked:  # one answer, the standing now, for every question so far
+            answer = f"{record.asked}|{json.dumps(standing(record.group))}"
+            record.store.set(f"{PREFIX}standing/{record.rank}", answer)
         return record.answered
 
 
@@ -191,11 +206,11 @@ def _roll_call(record: _Watched, incident: int) -> tuple[int, ...]:
             incident = latest  # a rank elsewhere already raised the alarm for this failure: the same roll call
         else:
             incident = latest + 1
-            store.set(f"{_PREFIX}alarm/{incident}", str(record.rank))
+            store.set(f"{PREFIX}alarm/{incident}", str(record.rank))
             _answer(record)
     if incident in record.verdicts:
         return record.verdicts[incident]
-    verdict_key = f"{_PREFIX}verdict/{incident}"
+    verdict_key = f"{PREFIX}verdict/{incident}"
     answered: set[int] = set()
     deadline = time.monotonic() + ROLL_CALL_S
     while True:
@@ -203,7 +218,7 @@ def _roll_call(record: _Watched, incident: int) -> tuple[int, ...]:
             gone = _parse(store.get(verdict_key))
             break
         answered |= {r for r in range(record.world_size) if r not in answered
-                     and store.check([f"{_PREFIX}alive/{incident}/{r}"])}
+                     and store.check([f"{PREFIX}alive/{incident}/{r}"])}
         if len(answered) == record.world_size or time.monotonic() > deadline:
             found = ",".join(str(r) for r in range(record.world_size) if r not in answered)
             store.compare_set(verdict_key, "", f"gone:{found}")  # the first verdict stands (never empty)
@@ -212,3 +227,32 @@ def _roll_call(record: _Watched, incident: int) -> tuple[int, ...]:
         time.sleep(_POLL_S / 2)
     record.verdicts[incident] = gone
     return gone
+
+
+def ask_standing(group: ProcessGroup | None) -> dict[int, dict[str, Any]]:
+    """Ask every rank of ``group`` where it stands; the answers that came within :data:`ROLL_CALL_S` seconds.
+
+    Each answer is a rank's :func:`~contrastive_dist.engine._progress.standing`; a rank that does not
+    watch the group (it never took part in the package's collectives on it) gives none.
+    """
+    record = watch(group)
+    if record is None:
+        return {}
+    store = record.store
+    try:
+        question = store.add(f"{PREFIX}asks", 1)
+        store.set(f"{PREFIX}asked/{question}", "1")
+        _answer(record)  # this rank's own answer, at once
+        answers: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + ROLL_CALL_S
+        while len(answers) < record.world_size and time.monotonic() < deadline:
+            for rank in range(record.world_size):
+                key = f"{PREFIX}standing/{rank}"
+                if rank not in answers and store.check([key]):
+                    number, text = store.get(key).decode().split("|", 1)
+                    if int(number) >= question:
+                        answers[rank] = cast(dict[str, Any], json.loads(text))
+            time.sleep(_POLL_S / 2)
+    except Exception:  # noqa: BLE001 - a store that went away: no one to ask
+        return {}
+    return answers

@@ -147,6 +147,7 @@ def begin(
     keyed: Sequence[object] = (),
     extra: int = 0,
     total: bool = True,
+    scalars: Mapping[str, int] | None = None,
 ) -> Call[Own]:
     """Check a call on this rank and agree on it with every rank; the same error everywhere if any rank's is wrong.
 
@@ -158,6 +159,8 @@ def begin(
         keyed: id-like tensors beside ``common.ids`` whose keys every rank must compare alike.
         extra: this rank's second count (its own negatives).
         total: whether the weight total is agreed (a loss whose denominator only its blocks reveal: no).
+        scalars: the loss's scalar parameters beside the scale, by name: their index in ``check()``'s result;
+            every rank must pass the same values (compared with the scale's in the same exchange).
     """
 
     def checked() -> tuple[Own, Tensor, int | None, Tensor | None, Tensor | None]:
@@ -198,6 +201,8 @@ def begin(
         extra=extra,
         total=None if result is None or not total else weight_total(result[3]),
         flags=flags,
+        scalars=None if result is None else {"logit_scale": result[1]}
+        | {name: result[0][index] for name, index in (scalars or {}).items()},
     )
     assert result is not None  # the agreement raised otherwise
     own, scale, chunk, weights, ids = result

@@ -95,7 +95,7 @@ def siglip(
 
     common = Common("siglip", logit_scale, None, chunk_size, group, sizes, weight, reduction, communication, ids,
                     same_id)
-    call = begin(common, own, (image_features, text_features), options={})
+    call = begin(common, own, (image_features, text_features), options={}, scalars={"logit_bias": 2})
     images, texts, bias = call.own
     with full_precision(images.device):
         keys = call.keys(call.ids)
