@@ -77,45 +77,39 @@ def _assert_the_same_error_everywhere(per_rank: list[Any], kind: str, *needles: 
             assert seconds < PROMPT_S, f"rank {rank} {case}: {seconds:.1f} s"
 
 
-def _differing_scalars(rank: int, world_size: int, mode: str) -> dict[str, Any]:
+def _misused(rank: int, world_size: int, mode: str, misuse: str) -> dict[str, Any]:
+    """Every loss (and one more call) with rank 1 (and 2) passing another scale and bias, or inputs on ``meta``."""
     a, b = _features(rank)
-    scale, bias = torch.tensor(10.0 + (rank == 1)), torch.tensor(-5.0 - 2 * (rank == 2))
+    scale, bias = torch.tensor(10.0), torch.tensor(-5.0)
+    if misuse == "scalars":
+        scale, bias = torch.tensor(10.0 + (rank == 1)), torch.tensor(-5.0 - 2 * (rank == 2))
+        more = {"siglip bias": lambda: siglip(a, b, torch.tensor(10.0), bias, communication=mode)}
+    else:  # a device type the gloo group does not serve (a CUDA input under gloo on a GPU-less host alike)
+        a, b = (a.detach().to("meta"), b.detach().to("meta")) if rank == 1 else (a, b)
+        more = {"all_gather": lambda: all_gather(a)}
     outcome: dict[str, Any] = {name: _outcome(lambda loss=loss: loss(a, b, scale, bias, communication=mode))
                                for name, loss in LOSSES.items()}
-    outcome["siglip bias"] = _outcome(lambda: siglip(a, b, torch.tensor(10.0), bias, communication=mode))
+    outcome.update({name: _outcome(call) for name, call in more.items()})
     outcome["after"] = _works(mode)
     return outcome
 
 
+MISUSES = {
+    "scalars": ("the ranks passed different values of",),
+    "device": ("on rank 1", "device type 'meta'", "does not serve"),
+}
+
+
+@pytest.mark.parametrize("misuse", sorted(MISUSES))
 @pytest.mark.parametrize("mode", MODES)
-def test_a_logit_scale_or_bias_that_differs_between_ranks_raises_on_every_rank(
-    pool: Callable[[int], WorkerPool], mode: str
+def test_a_scale_bias_or_device_type_that_differs_between_ranks_raises_on_every_rank_before_any_device_work(
+    pool: Callable[[int], WorkerPool], mode: str, misuse: str
 ) -> None:
-    per_rank = pool(3).run(_differing_scalars, mode, timeout=60, return_exceptions=True)
-    _assert_the_same_error_everywhere(per_rank, "ValueError", "the ranks passed different values of")
-    assert "rank 1: logit_scale=11.0" in per_rank[0]["info_nce"][1], per_rank[0]["info_nce"][1]
-    assert "rank 2: logit_bias=-7.0" in per_rank[0]["siglip bias"][1], per_rank[0]["siglip bias"][1]
-
-
-def _input_on_another_device_type(rank: int, world_size: int, mode: str) -> dict[str, Any]:
-    a, b = _features(rank)
-    if rank == 1:  # a device type the gloo group does not serve (a CUDA input under gloo on a GPU-less host alike)
-        a, b = a.detach().to("meta"), b.detach().to("meta")
-    outcome: dict[str, Any] = {name: _outcome(lambda loss=loss: loss(a, b, torch.tensor(10.0), torch.tensor(-5.0),
-                                                                      communication=mode))
-                               for name, loss in LOSSES.items()}
-    outcome["all_gather"] = _outcome(lambda: all_gather(a))
-    outcome["after"] = _works(mode)
-    return outcome
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_an_input_on_another_device_type_raises_on_every_rank_before_any_device_work(
-    pool: Callable[[int], WorkerPool], mode: str
-) -> None:
-    per_rank = pool(3).run(_input_on_another_device_type, mode, timeout=60, return_exceptions=True)
-    _assert_the_same_error_everywhere(per_rank, "ValueError", "on rank 1", "device type 'meta'",
-                                      "does not serve")
+    per_rank = pool(3).run(_misused, mode, misuse, timeout=60, return_exceptions=True)
+    _assert_the_same_error_everywhere(per_rank, "ValueError", *MISUSES[misuse])
+    if misuse == "scalars":
+        assert "rank 1: logit_scale=11.0" in per_rank[0]["info_nce"][1], per_rank[0]["info_nce"][1]
+        assert "rank 2: logit_bias=-7.0" in per_rank[0]["siglip bias"][1], per_rank[0]["siglip bias"][1]
 
 
 def _a_call_that_leaves_before_its_exchange(rank: int, world_size: int, mode: str) -> list[tuple[str, str, float]]:
@@ -178,38 +172,34 @@ def _out_of_step(rank: int, world_size: int, mode: str, misuse: str) -> dict[str
     return {"seen": seen, "again": again, "after": _works(mode)}
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", MODES)
-def test_a_rank_that_skips_its_backward_is_named_on_every_rank_within_seconds(
-    pool: Callable[[int], WorkerPool], mode: str
-) -> None:
-    per_rank = pool(3).run(_out_of_step, mode, "skipped backward", timeout=60, return_exceptions=True)
-    for rank, outcome in enumerate(per_rank):
-        assert isinstance(outcome, dict) and outcome["after"], f"rank {rank}: {outcome!r}"
-        kind, message, seconds = outcome["seen"]
-        assert kind == "PeerFailureError" and seconds < PROMPT_S, (rank, kind, message, seconds)
-        assert message == per_rank[0]["seen"][1], f"rank {rank}: not the same error as rank 0"
-        assert outcome["again"][:2] == (kind, message) and outcome["again"][2] < PROMPT_S, (rank, outcome["again"])
-    message = per_rank[0]["seen"][1]
-    assert "rank 1 went on to a later call without the collective the others wait in" in message, message
-    assert "rank 1: in agreement of info_nce" in message and "cannot be used again" in message, message
+OUT_OF_STEP = {
+    "skipped backward": ((0, 1, 2), ("rank 1 went on to a later call without the collective the others wait in",
+                                     "rank 1: in agreement of info_nce", "cannot be used again")),
+    "barrier": ((0, 2), ("rank 1: in torch.distributed.barrier, called at", "rank 1 waits in a collective of its own",
+                         "rank 1 is 1 call behind", "cannot be used again")),
+}
+"""Per misuse: the ranks that raise within seconds, and what their error says."""
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("misuse", sorted(OUT_OF_STEP))
 @pytest.mark.parametrize("mode", MODES)
-def test_a_rank_that_calls_a_barrier_instead_of_the_loss_is_named_within_seconds(
-    pool: Callable[[int], WorkerPool], mode: str
+def test_a_rank_that_skips_its_backward_or_calls_a_barrier_instead_is_named_within_seconds(
+    pool: Callable[[int], WorkerPool], mode: str, misuse: str
 ) -> None:
-    per_rank = pool(3).run(_out_of_step, mode, "barrier", timeout=60, return_exceptions=True)
-    for rank in (0, 2):
+    per_rank = pool(3).run(_out_of_step, mode, misuse, timeout=60, return_exceptions=True)
+    assert all(isinstance(outcome, dict) and outcome["after"] for outcome in per_rank), per_rank
+    named, needles = OUT_OF_STEP[misuse]
+    for rank in named:
         kind, message, seconds = per_rank[rank]["seen"]
         assert kind == "PeerFailureError" and seconds < PROMPT_S, (rank, kind, message, seconds)
-        assert message == per_rank[0]["seen"][1] and per_rank[rank]["after"], rank
-        assert "rank 1: in torch.distributed.barrier, called at" in message, message
-        assert "rank 1 waits in a collective of its own" in message and "rank 1 is 1 call behind" in message, message
-    # The barrier is torch's: it ends with torch's own error at the group's timeout (documented), then works on.
-    kind, message, seconds = per_rank[1]["seen"]
-    assert kind != "no error" and seconds >= GROUP_TIMEOUT_S * 0.9 and per_rank[1]["after"], per_rank[1]
+        assert message == per_rank[0]["seen"][1], f"rank {rank}: not the same error as rank 0"
+        assert all(needle in message for needle in needles), message
+        again = per_rank[rank]["again"]  # a later call on the broken group: the same error at once
+        assert again[:2] == (kind, message) and again[2] < PROMPT_S, (rank, again)
+    if misuse == "barrier":  # torch's barrier ends with torch's own error at the group's timeout (documented)
+        kind, message, seconds = per_rank[1]["seen"]
+        assert kind != "no error" and seconds >= GROUP_TIMEOUT_S * 0.9, per_rank[1]
 
 
 def _one_rank_in_eval_mode(rank: int, world_size: int, mode: str, eval_rank: int) -> dict[str, Any]:

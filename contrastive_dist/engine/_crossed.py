@@ -53,13 +53,15 @@ def crossed(group: ProcessGroup | None, operation: str) -> tuple[str, tuple[int,
     # The first verdict on the group stands (a group out of step stays so): every rank raises the same one, also
     # a rank that asks after the others raised and went elsewhere (their answers would tell another story).
     key = f"{PREFIX}crossed"
-    if not watched.store.check([key]):
-        answers = ask_standing(group)
-        found = _verdict(answers, dist.get_rank(group), group)
-        if found is None:
-            return None
-        watched.store.compare_set(key, "", json.dumps(found))
-    text, suspects = json.loads(watched.store.get(key))
+    try:
+        if not watched.store.check([key]):
+            found = _verdict(ask_standing(group), dist.get_rank(group), group)
+            if found is None:
+                return None
+            watched.store.compare_set(key, "", json.dumps(found))
+        text, suspects = json.loads(watched.store.get(key))
+    except Exception:  # noqa: BLE001 - a store that went away: nothing to learn, the wait goes on as it would
+        return None
     record.out_of_step, record.at_fault = text, tuple(suspects)
     return text, record.at_fault
 

@@ -25,6 +25,11 @@ transfer failed holds a roll call through the group's store (``_rollcall``), and
 alarm: every survivor then names the ranks that are gone (``suspects``), within about
 :data:`~contrastive_dist.engine._rollcall.ROLL_CALL_S` seconds of the first error, and none waits
 for the process group's timeout because a live neighbour stopped sending.
+
+**Collectives that can never meet.** A wait that lasts over a second asks every rank where it
+stands (``_crossed``): a rank that skipped a collective the others wait in (a backward), or that
+blocks in a collective of ``torch.distributed`` itself, is named within seconds by the same error
+on every waiting rank, instead of after the process group's timeout.
 """
 
 from __future__ import annotations
