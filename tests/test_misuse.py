@@ -174,7 +174,7 @@ def _out_of_step(rank: int, world_size: int, mode: str, misuse: str) -> dict[str
 
 OUT_OF_STEP = {
     "skipped backward": ((0, 1, 2), ("rank 1 went on to a later call without the collective the others wait in",
-                                     "rank 1: in agreement of info_nce", "cannot be used again")),
+                                     "rank 1: in agreement (info_nce)", "cannot be used again")),
     "barrier": ((0, 2), ("rank 1: in torch.distributed.barrier, called at", "rank 1 waits in a collective of its own",
                          "rank 1 is 1 call behind", "cannot be used again")),
 }

@@ -206,7 +206,8 @@ def _exchange(
     device = table_device(tensors, group)
     table = torch.empty((world_size, FIELDS), dtype=torch.int64, device=device)
     mine = local_row(fields, device, total=total, flags=flags, scalars=scalars)
-    all_gather_single(table, mine, group=group, operation=f"agreement of {operation}")
+    # Named "agreement (...)": one kind of collective whatever the operation, as the rows of every operation meet.
+    all_gather_single(table, mine, group=group, operation=f"agreement ({operation})")
     return [Row.read(values) for values in table.tolist()]
 
 
