@@ -27,13 +27,14 @@ blocked in a collective run by C++ code (DDP's gradient all-reduce), or in one i
 from __future__ import annotations
 
 import json
-from typing import Any
+import time
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from contrastive_dist.engine._progress import kind, progress
-from contrastive_dist.engine._rollcall import PREFIX, ask_standing, watch
+from contrastive_dist.engine._rollcall import POLL_S, PREFIX, ROLL_CALL_S, answer, watch
 
 __all__ = ["ASK_AFTER_S", "crossed", "next_ask"]
 
@@ -55,7 +56,7 @@ def crossed(group: ProcessGroup | None, operation: str) -> tuple[str, tuple[int,
     key = f"{PREFIX}crossed"
     try:
         if not watched.store.check([key]):
-            found = _verdict(ask_standing(group), dist.get_rank(group), group)
+            found = _verdict(_ask(group), dist.get_rank(group), group)
             if found is None:
                 return None
             watched.store.compare_set(key, "", json.dumps(found))
@@ -69,6 +70,35 @@ def crossed(group: ProcessGroup | None, operation: str) -> tuple[str, tuple[int,
 def next_ask(waited_s: float) -> float:
     """How long after ``waited_s`` seconds of waiting to ask again."""
     return min(max(waited_s, ASK_AFTER_S), _ASK_EVERY_MAX_S)
+
+
+def _ask(group: ProcessGroup | None) -> dict[int, dict[str, Any]]:
+    """Ask every rank of ``group`` where it stands; the answers that came within ``ROLL_CALL_S`` seconds.
+
+    Each answer is a rank's :func:`~contrastive_dist.engine._progress.standing`; a rank that does not
+    watch the group (it never took part in the package's collectives on it) gives none.
+    """
+    record = watch(group)
+    if record is None:
+        return {}
+    store = record.store
+    try:
+        question = store.add(f"{PREFIX}asks", 1)
+        store.set(f"{PREFIX}asked/{question}", "1")
+        answer(record)  # this rank's own answer, at once
+        answers: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + ROLL_CALL_S
+        while len(answers) < record.world_size and time.monotonic() < deadline:
+            for rank in range(record.world_size):
+                key = f"{PREFIX}standing/{rank}"
+                if rank not in answers and store.check([key]):
+                    number, text = store.get(key).decode().split("|", 1)
+                    if int(number) >= question:
+                        answers[rank] = cast(dict[str, Any], json.loads(text))
+            time.sleep(POLL_S / 2)
+    except Exception:  # noqa: BLE001 - a store that went away: no one to ask
+        return {}
+    return answers
 
 
 def _verdict(answers: dict[int, dict[str, Any]], rank: int, group: ProcessGroup | None) -> tuple[str, list[int]] | None:

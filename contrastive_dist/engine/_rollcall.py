@@ -35,18 +35,18 @@ import atexit
 import json
 import threading
 import time
-from typing import Any, cast
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from contrastive_dist.engine._progress import standing
 
-__all__ = ["PREFIX", "ROLL_CALL_S", "alarm_seen", "ask_standing", "gone_ranks", "watch"]
+__all__ = ["POLL_S", "PREFIX", "ROLL_CALL_S", "alarm_seen", "answer", "gone_ranks", "watch"]
 
 ROLL_CALL_S = 1.5
 """How long a live rank may take to answer; a rank silent for longer is taken for gone."""
-_POLL_S = 0.1
+POLL_S = 0.1
 """How often the answering thread (and a waiting rank) reads the alarm."""
 PREFIX = "contrastive_dist/faults/"
 
@@ -118,7 +118,7 @@ def _stop_thread() -> None:
 
 def _answer_alarms() -> None:
     """The answering thread: for every watched group, answer each new alarm; drop destroyed groups."""
-    while not _stop.wait(_POLL_S):
+    while not _stop.wait(POLL_S):
         for key, record in list(_watched.items()):
             if not _still_exists(record.group):
                 with _registry_lock:
@@ -127,7 +127,7 @@ def _answer_alarms() -> None:
             if record.broken:
                 continue
             try:
-                _answer(record)
+                answer(record)
             except Exception:  # noqa: BLE001 - a store that went away: nothing to answer on any more
                 record.broken = True
 
@@ -141,7 +141,7 @@ def _still_exists(group: ProcessGroup) -> bool:
         return False
 
 
-def _answer(record: _Watched) -> int:
+def answer(record: _Watched) -> int:
     """Answer every alarm raised on the group so far, and the latest question; the number of the latest alarm."""
     with record.lock:
         while record.store.check([f"{PREFIX}alarm/{record.answered + 1}"]):
@@ -162,7 +162,7 @@ def alarm_seen(group: ProcessGroup | None, since: int) -> int:
     if record is None:
         return 0
     try:
-        latest = _answer(record)
+        latest = answer(record)
     except Exception:  # noqa: BLE001 - no store to read: no alarm can be seen
         record.broken = True
         return 0
@@ -201,13 +201,13 @@ def _roll_call(record: _Watched, incident: int) -> tuple[int, ...]:
         # call would also name the survivors that have exited since, after their own error.
         return lost
     if incident == 0:
-        latest = _answer(record)
+        latest = answer(record)
         if latest and latest not in record.verdicts:
             incident = latest  # a rank elsewhere already raised the alarm for this failure: the same roll call
         else:
             incident = latest + 1
             store.set(f"{PREFIX}alarm/{incident}", str(record.rank))
-            _answer(record)
+            answer(record)
     if incident in record.verdicts:
         return record.verdicts[incident]
     verdict_key = f"{PREFIX}verdict/{incident}"
@@ -224,35 +224,6 @@ def _roll_call(record: _Watched, incident: int) -> tuple[int, ...]:
             store.compare_set(verdict_key, "", f"gone:{found}")  # the first verdict stands (never empty)
             gone = _parse(store.get(verdict_key))
             break
-        time.sleep(_POLL_S / 2)
+        time.sleep(POLL_S / 2)
     record.verdicts[incident] = gone
     return gone
-
-
-def ask_standing(group: ProcessGroup | None) -> dict[int, dict[str, Any]]:
-    """Ask every rank of ``group`` where it stands; the answers that came within :data:`ROLL_CALL_S` seconds.
-
-    Each answer is a rank's :func:`~contrastive_dist.engine._progress.standing`; a rank that does not
-    watch the group (it never took part in the package's collectives on it) gives none.
-    """
-    record = watch(group)
-    if record is None:
-        return {}
-    store = record.store
-    try:
-        question = store.add(f"{PREFIX}asks", 1)
-        store.set(f"{PREFIX}asked/{question}", "1")
-        _answer(record)  # this rank's own answer, at once
-        answers: dict[int, dict[str, Any]] = {}
-        deadline = time.monotonic() + ROLL_CALL_S
-        while len(answers) < record.world_size and time.monotonic() < deadline:
-            for rank in range(record.world_size):
-                key = f"{PREFIX}standing/{rank}"
-                if rank not in answers and store.check([key]):
-                    number, text = store.get(key).decode().split("|", 1)
-                    if int(number) >= question:
-                        answers[rank] = cast(dict[str, Any], json.loads(text))
-            time.sleep(_POLL_S / 2)
-    except Exception:  # noqa: BLE001 - a store that went away: no one to ask
-        return {}
-    return answers
