@@ -86,7 +86,7 @@ class Patience:
         if used > self.last:
             self.last, self.progressed = used, now
         if self.budget_s is not None and self.first is not None and used - self.first > self.budget_s:
-            return f"{used - self.first:.0f} s of CPU time used, more than the {self.budget_s:.0f} s allowed"
+            return f"{used - self.first:.1f} s of CPU time used, more than the {self.budget_s:g} s allowed"
         if now - self.progressed > self.stall_s:
             return (f"no CPU time used for {now - self.progressed:.0f} s (after {used - (self.first or 0):.0f} s of it "
                     f"in {now - self.start:.0f} s): waiting on something that does not come")
