@@ -146,8 +146,9 @@ def start(key: str) -> None:
 def outcome(key: str, timeout: float) -> subprocess.CompletedProcess[str]:
     """Wait for ``key``'s command (started now if it was still queued) and return its exit code and output.
 
-    ``timeout``: the CPU seconds the command may use, over every process of its session; the wait
-    also ends when it uses none for :data:`STALL_S` seconds, and at :data:`CAP_S` seconds of the clock.
+    ``timeout``: the command may use the CPU time of ``timeout`` seconds of every core, over every
+    process of its session (what the clock allowed on an idle machine); the wait also ends when it
+    uses none for :data:`STALL_S` seconds, and at :data:`CAP_S` seconds of the clock.
 
     Raises:
         TimeoutError: it was stopped for one of those (it is killed, with its children); the message says which.
@@ -156,7 +157,8 @@ def outcome(key: str, timeout: float) -> subprocess.CompletedProcess[str]:
     declared, folder = _COMMANDS[key], workspace(key)
     process = declared.process
     assert process is not None
-    patience = Patience(lambda: cpu_seconds(session=process.pid), stall_s=STALL_S, budget_s=timeout, cap_s=CAP_S)
+    budget = timeout * (os.cpu_count() or 1)
+    patience = Patience(lambda: cpu_seconds(session=process.pid), stall_s=STALL_S, budget_s=budget, cap_s=CAP_S)
     while not _ended(declared):
         why = patience.over()
         if why is not None:
