@@ -99,8 +99,8 @@ def command(
 def _share() -> None:
     """In the child (a new session), before it runs the command: its scheduler group at ``nice`` :data:`NICE`.
 
-    Without it, each session would get as much CPU as the suite's processes together; with
-    ``SCHED_IDLE`` (as before) it got none while anything else ran, and timed out on a busy machine.
+    Without it, each session would get as much CPU as the suite's processes together; ``SCHED_IDLE``
+    would give it none while anything else runs, so that on a busy machine it would never finish.
     """
     try:
         Path("/proc/self/autogroup").write_text(str(NICE))
