@@ -28,7 +28,6 @@ package's collectives hold no tensor past their return, so that exit is safe (``
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing as mp
 import os
 import pickle
@@ -37,83 +36,22 @@ import shutil
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from multiprocessing.context import SpawnProcess
 from typing import Any
 
+from contrastive_dist._cpu_clock import Patience, cpu_seconds
+from contrastive_dist._pool_outcomes import broken_call, decoded, result_of
+from contrastive_dist._pool_worker import READY, STOP, worker_main
+
 __all__ = ["RemoteError", "WorkerPool", "check_importable", "run_distributed"]
 
-_STOP = "stop"
-_READY = b"ready"
 _SURVIVOR_GRACE_S = 15.0
 """After a worker died, how long the others may take to report (their errors usually name the dead rank)."""
 
 
 class RemoteError(RuntimeError):
     """An exception raised in a worker whose type could not be sent back as it was."""
-
-
-def _worker_main(
-    rank: int,
-    world_size: int,
-    backend: str,
-    store_path: str,
-    timeout_s: float,
-    threads: int,
-    tasks: Any,
-    results: Any,
-) -> None:
-    import torch
-    import torch.distributed as dist
-
-    _exit_with_parent()
-    torch.set_num_threads(threads)
-    store = dist.FileStore(store_path, world_size)
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    results.put((rank, _READY))
-    try:
-        while True:
-            task = tasks.get()
-            if task == _STOP:
-                break
-            fn, args = pickle.loads(task)
-            try:
-                outcome: tuple[bool, Any] = (True, fn(rank, world_size, *args))
-            except BaseException as error:  # noqa: BLE001 - everything goes back to the parent
-                text = traceback.format_exc()
-                try:
-                    pickle.dumps(error)
-                    outcome = (False, (error, text))
-                except Exception:  # noqa: BLE001 - unpicklable exception: send its text only
-                    outcome = (False, (RemoteError(f"{type(error).__name__}: {error}"), text))
-            try:
-                results.put((rank, pickle.dumps(outcome)))
-            except Exception as error:  # noqa: BLE001 - e.g. an unpicklable return value
-                failure = (False, (RemoteError(f"result of rank {rank} is not picklable: {error}"), ""))
-                results.put((rank, pickle.dumps(failure)))
-    finally:
-        dist.destroy_process_group()
-
-
-def _exit_with_parent() -> None:
-    """End this worker when the parent dies (e.g. killed by a test timeout): no orphans left behind."""
-    import threading
-
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
 
 
 def _main_file_missing() -> str | None:
@@ -161,7 +99,9 @@ class WorkerPool:
         world_size: number of processes (ranks).
         backend: ``torch.distributed`` backend, ``"gloo"`` for CPU tensors.
         timeout: seconds a single :meth:`run` may take; also the collectives' timeout.
-        startup_timeout: seconds the workers may take to start and join the group.
+        startup_timeout: seconds the workers may go without using CPU time while they start and join
+            the group (a start slowed by a busy machine is not a stall; seconds of the clock where
+            ``/proc`` cannot be read).
         threads_per_process: torch intra-op threads per worker (default: cores / world_size).
 
     Example:
@@ -204,7 +144,7 @@ class WorkerPool:
         self._tasks = [context.Queue() for _ in range(world_size)]
         self._processes: list[SpawnProcess] = [
             context.Process(
-                target=_worker_main,
+                target=worker_main,
                 args=(rank, world_size, backend, store_path, timeout, threads, self._tasks[rank], self._results),
                 daemon=True,
             )
@@ -271,10 +211,10 @@ class WorkerPool:
                 rank, blob = self._results.get(timeout=min(remaining, 0.5))
             except queue.Empty:
                 continue
-            outcomes[rank] = pickle.loads(blob)
+            outcomes[rank] = decoded(pickle.loads(blob), RemoteError)
         results: list[Any] = []
         for rank in range(self.world_size):
-            result = _returned_or_raised(rank, self.world_size, outcomes[rank])
+            result = result_of(rank, self.world_size, outcomes[rank])
             if isinstance(result, BaseException) and not outcomes[rank][0] and not return_exceptions:
                 raise result
             results.append(result)
@@ -287,44 +227,33 @@ class WorkerPool:
         self._broken = True
         self.close()
         codes = {rank: self._processes[rank].exitcode for rank in dead}
-        if return_exceptions:
-            results: list[Any] = []
-            for rank in range(self.world_size):
-                if rank in outcomes:
-                    results.append(_returned_or_raised(rank, self.world_size, outcomes[rank]))
-                elif rank in dead:
-                    results.append(RemoteError(f"the worker of rank {rank} died (exit code {codes[rank]})"))
-                else:
-                    results.append(TimeoutError(f"rank {rank} gave no result within {deadline:.0f} s"))
-            return results
-        missing = sorted(set(range(self.world_size)) - set(outcomes))
-        reported = _describe_failures(outcomes)
-        if dead:
-            raise RuntimeError(
-                f"worker(s) of rank {dead} died, exit codes {codes} (no result from ranks {missing}){reported}"
-            )
-        raise TimeoutError(f"ranks {missing} gave no result within {deadline:.0f} s (hang?){reported}")
+        return broken_call(outcomes, codes, deadline, self.world_size, return_exceptions=return_exceptions,
+                           remote_error=RemoteError)
 
     def _wait_until_ready(self) -> None:
-        clock_end = time.monotonic() + self._startup_timeout
+        # Bounded by the work, not the clock: a start slowed by a busy machine goes on, a stalled one ends.
+        pids = [process.pid for process in self._processes if process.pid is not None]
+        patience = Patience(lambda: cpu_seconds(pids=pids), stall_s=self._startup_timeout,
+                            budget_s=self.world_size * self._startup_timeout)
         while len(self._ready) < self.world_size:
-            if time.monotonic() > clock_end or not all(p.is_alive() for p in self._processes):
+            why = patience.over() or ("" if all(p.is_alive() for p in self._processes) else "a worker died")
+            if why:
                 self._broken = True
                 self.close()
                 missing = sorted(set(range(self.world_size)) - self._ready)
-                raise RuntimeError(f"ranks {missing} did not start within {self._startup_timeout:.0f} s")
+                raise RuntimeError(f"ranks {missing} did not start: {why}")
             try:
                 rank, message = self._results.get(timeout=0.5)
             except queue.Empty:
                 continue
-            if message == _READY:
+            if message == READY:
                 self._ready.add(rank)
 
     def close(self) -> None:
         """Stop the workers (politely, then by force) and remove the store directory."""
         for task_queue, process in zip(self._tasks, self._processes):
             if process.is_alive() and not self._broken:
-                task_queue.put(_STOP)
+                task_queue.put(STOP)
         for process in self._processes:
             process.join(timeout=5)
             if process.is_alive():
@@ -338,25 +267,6 @@ class WorkerPool:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _returned_or_raised(rank: int, world_size: int, outcome: tuple[bool, Any]) -> Any:
-    """What ``fn`` returned on ``rank``, or the exception it raised with the rank's traceback as a note."""
-    ok, value = outcome
-    if ok:
-        return value
-    error, text = value
-    if text:
-        error.add_note(f"--- raised on rank {rank} of {world_size} ---\n{text}")
-    return error
-
-
-def _describe_failures(outcomes: dict[int, tuple[bool, Any]]) -> str:
-    """The errors that did come back before a hang: usually the cause of it."""
-    lines = [
-        f"\n--- rank {rank} raised ---\n{value[1]}" for rank, (ok, value) in sorted(outcomes.items()) if not ok
-    ]
-    return "".join(lines)
 
 
 def run_distributed(

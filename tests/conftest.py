@@ -16,11 +16,35 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "background(key): the test waits for the outcome of the background command key (tests/background.py)"
     )
+    config.addinivalue_line(
+        "markers", "in_background(key): a check the background command key runs in its own pytest process; every "
+        "other session leaves it out (deselected, and listed with its command at the end)"
+    )
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests that wait for a background command come last: their commands get the whole session."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leave out the checks of background commands (each runs them in its own process), and wait for those last.
+
+    The tests that wait for a background command come last, so that their commands get the whole session;
+    their own bound is the wait's (it follows the command's work, ``background.outcome``), so pytest-timeout's
+    is raised above it.
+    """
+    here = os.environ.get(background.CHECKS_VARIABLE)
+    elsewhere = [item for item in items if _runs_in(item) not in (None, here)]
+    for item in elsewhere:
+        background.left_out(_runs_in(item))
+    if elsewhere:
+        config.hook.pytest_deselected(items=elsewhere)
+        items[:] = [item for item in items if _runs_in(item) in (None, here)]
+    for item in items:
+        if item.get_closest_marker("background") is not None:
+            item.add_marker(pytest.mark.timeout(background.CAP_S + 300), append=False)
     items.sort(key=lambda item: item.get_closest_marker("background") is not None)  # stable: order kept
+
+
+def _runs_in(item: pytest.Item) -> str | None:
+    marker = item.get_closest_marker("in_background")
+    return None if marker is None else str(marker.args[0])
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -36,6 +60,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_runtest_logfinish() -> None:
     """After each test: the next queued background commands, if fewer than their limit run."""
     background.advance()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """What the background commands did: the deselected entries above are their checks, run in their own processes."""
+    lines = background.report()
+    if lines and not terminalreporter.config.option.collectonly:
+        terminalreporter.section("background commands")
+        terminalreporter.line("Commands run beside the suite, each in a process of its own. The checks they run are "
+                              "deselected in this session (their outcome is that of the test that waits for the "
+                              "command):")
+        for line in lines:
+            terminalreporter.line(f"  {line}")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

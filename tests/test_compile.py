@@ -164,7 +164,7 @@ def test_in_a_process_of_its_own() -> None:
     background.assert_every_check_passed(COMPILE_CHECKS, passed=len(GROUPS))
 
 
-@pytest.mark.skipif(not IN_CHILD, reason="run by test_in_a_process_of_its_own, in the background")
+@pytest.mark.in_background(COMPILE_CHECKS)
 @pytest.mark.timeout(GROUP_SECONDS + 60)
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_every_loss_compiles_with_fullgraph_and_equals_eager(pool: Callable[[int], WorkerPool], group: str) -> None:

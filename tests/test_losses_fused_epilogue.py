@@ -38,7 +38,9 @@ from contrastive_dist.testing import WorkerPool  # noqa: E402
 
 _CHILD = "CONTRASTIVE_DIST_FUSED_LOSS_CHECKS"
 """Set in the interpreter's process: the checks run there, and only there."""
-interpreted = pytest.mark.skipif(os.environ.get(_CHILD) != "1", reason="run by test_in_interpreter, in its process")
+INTERPRETER_CHECKS = "fused loss checks"
+"""This file's checks in Triton's interpreter: a background command (declared below)."""
+interpreted = pytest.mark.in_background(INTERPRETER_CHECKS)
 DEVICE = torch.device(os.environ.get("CONTRASTIVE_DIST_TEST_DEVICE", "cpu"))
 """Where the losses run: the CPU (under the interpreter), or a GPU (its compiled kernels)."""
 _OPS = ("sigmoid_block", "softmax_state", "softmax_grad", "softmax_block")
@@ -50,10 +52,10 @@ def _interpreter_command() -> str:
     env = {**os.environ, _CHILD: "1", "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     env[_triton.EPILOGUE_VARIABLE] = "triton"
     argv = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "not test_in_interpreter"]
-    return background.command("fused loss checks", argv, cwd=root, env=env)
+    return background.command(INTERPRETER_CHECKS, argv, cwd=root, env=env)
 
 
-INTERPRETER_CHECKS = _interpreter_command()
+_interpreter_command()
 
 
 @pytest.mark.timeout(960)

@@ -29,14 +29,12 @@ from contrastive_dist.losses._targets import Located, Targets  # noqa: E402
 
 _CHILD = "CONTRASTIVE_DIST_TRITON_CHECKS"
 """Set in the interpreter's process: the checks run there, and only there."""
-interpreted = pytest.mark.skipif(os.environ.get(_CHILD) != "1", reason="run by test_in_interpreter, in its process")
+INTERPRETER_CHECKS = "triton epilogue checks"
+"""This file's checks in Triton's interpreter: a command of the suite's background (declared at the end)."""
+interpreted = pytest.mark.in_background(INTERPRETER_CHECKS)
 
 
 outside_interpreter = pytest.mark.skipif(os.environ.get(_CHILD) == "1", reason="this is the interpreter's process")
-
-
-INTERPRETER_CHECKS = "triton epilogue checks"
-"""This file's checks in Triton's interpreter: a command of the suite's background (declared at the end)."""
 
 
 @outside_interpreter

@@ -125,7 +125,7 @@ class ShardPipeline(IterableDataset):
         where = f"on rank {rank}" if info is None else f"in DataLoader worker {worker} of rank {rank}"
         reader = SlotReader(self.shard_list.shards, self.shard_list.plan_for(worker, num_workers),
                             worker * self.shard_list.num_replicas + rank, self.stages[0],
-                            on_error=self.on_error, where=where)
+                            on_error=self.on_error, where=where, saved_sizes=self.shard_list.saved_sizes)
         source, blamed = reader.samples(), 0
         while True:
             samples: Iterator[Any] = source

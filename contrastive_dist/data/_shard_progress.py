@@ -6,7 +6,10 @@ it resumes on another number of ranks or workers: the epoch's *plan* lists the s
 read — the ones in progress first (with the samples to skip), then the untouched ones, both in
 the epoch's shard order — and slot ``j`` of ``slots`` reads items ``j, j + slots, ...`` of it.
 A fresh epoch's plan is the epoch's shard order, so a fresh epoch is dealt as it always was.
-The state's checks (:func:`decode_progress`) refuse another shard list, seed or ``shuffle``.
+The state's checks (:func:`decode_progress`) refuse another shard list, seed or ``shuffle``, and
+a count of consumed samples that the shard's file could not hold. The state also keeps the size of
+each local shard in progress (``sizes``): a shard rewritten since no longer holds the samples its
+count skips, which the reader finds (:mod:`~contrastive_dist.data._shard_reader`).
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["FINISHED", "EpochShards", "decode_progress", "encode_progress", "names_digest"]
+__all__ = ["FINISHED", "EpochShards", "decode_progress", "encode_progress", "file_size", "list_digests",
+           "names_digest"]
 
 FINISHED = -1
+_SMALLEST_SAMPLE = 512  # bytes: one tar member's header, with no contents
 FORMAT = "contrastive_dist.DistributedShardList"
 VERSION = 1
 _KEYS = ("format", "version", "epoch", "seed", "shuffle", "shards", "names", "progress")
@@ -73,21 +78,50 @@ class EpochShards:
         self.progress = [FINISHED] * len(self.progress)
 
 
+def list_digests(shards: Sequence[Any]) -> tuple[int, int, int, int]:
+    """What every rank's shard list must share, as 62-bit digests: ``(count, order, files, sizes)``.
+
+    The names in order, the names as a set, and the names with the sizes of the local files: ranks
+    whose lists differ are told whether in their order (an unsorted ``glob`` on two machines), in
+    their files, or in the files' sizes (a shard rewritten on one machine's disk).
+    """
+    names = [os.path.basename(str(shard).rstrip("/")) for shard in shards]
+    sizes = [file_size(shard) for shard in shards]
+    return (len(shards), _digest(names), _digest(sorted(names)),
+            _digest(sorted(zip(names, [-1 if size is None else size for size in sizes]))))
+
+
+def _digest(value: object) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 2
+
+
 def names_digest(shards: Sequence[Any]) -> str:
     """A digest of the shards' file names (not their directories: a dataset may move between runs)."""
     names = "\n".join(os.path.basename(str(shard).rstrip("/")) for shard in shards)
     return hashlib.blake2b(names.encode(), digest_size=16).hexdigest()
 
 
+def file_size(shard: Any) -> int | None:
+    """The size in bytes of ``shard`` if it is a local file; else None."""
+    path = os.fspath(shard) if isinstance(shard, (str, os.PathLike)) else None
+    return os.path.getsize(path) if path is not None and os.path.isfile(path) else None
+
+
 def encode_progress(progress: Sequence[int], *, epoch: int, seed: int, shuffle: bool,
                     shards: Sequence[Any]) -> dict[str, Any]:
-    """The state of a shard list: the epoch's progress per shard and what fixes the epoch's order."""
+    """The state of a shard list: its progress per shard, what fixes the epoch's order, the sizes in progress."""
+    sizes = {str(index): file_size(shards[index]) for index, done in enumerate(progress) if done > 0}
     return {"format": FORMAT, "version": VERSION, "epoch": epoch, "seed": seed, "shuffle": shuffle,
-            "shards": len(shards), "names": names_digest(shards), "progress": list(progress)}
+            "shards": len(shards), "names": names_digest(shards), "progress": list(progress),
+            "sizes": {index: size for index, size in sizes.items() if size is not None}}
 
 
-def decode_progress(state: object, *, seed: int, shuffle: bool, shards: Sequence[Any]) -> tuple[int, list[int]]:
-    """Check ``state`` against a shard list and return ``(epoch, progress)``; ``ValueError`` says what is wrong."""
+def decode_progress(state: object, *, seed: int, shuffle: bool,
+                    shards: Sequence[Any]) -> tuple[int, list[int], dict[int, int]]:
+    """Check ``state`` against a shard list: ``(epoch, progress, saved sizes)``, or a ``ValueError`` saying why not.
+
+    A state saved before sizes were kept loads with none.
+    """
     if not isinstance(state, Mapping):
         raise ValueError(f"cannot resume: expected a dict made by DistributedShardList.state_dict(), got "
                          f"{type(state).__name__}")
@@ -115,4 +149,21 @@ def decode_progress(state: object, *, seed: int, shuffle: bool, shards: Sequence
             or any(isinstance(value, bool) or not isinstance(value, int) or value < FINISHED for value in progress)):
         raise ValueError(f"cannot resume: the shard state's 'progress' must hold one int >= {FINISHED} per shard "
                          f"({len(shards)}), got {str(progress)[:200]}")
-    return epoch, list(progress)
+    sizes = _saved_sizes(state.get("sizes", {}), progress)
+    for index, done in enumerate(progress):
+        size = file_size(shards[index]) if done > 0 else None
+        if size is not None and sizes.get(index, size) == size and done > size // _SMALLEST_SAMPLE:
+            raise ValueError(f"cannot resume: the shard state says {done} samples of shard {str(shards[index])!r} "
+                             f"were consumed, but its {size} bytes hold at most {size // _SMALLEST_SAMPLE}: the state "
+                             "was not made by state_dict() for these files")
+    return epoch, list(progress), sizes
+
+
+def _saved_sizes(saved: object, progress: Sequence[int]) -> dict[int, int]:
+    """The saved sizes of the shards in progress, by index; a ``ValueError`` for anything else."""
+    if not isinstance(saved, Mapping) or any(
+            not str(key).isdigit() or not int(key) < len(progress) or progress[int(key)] <= 0
+            or isinstance(size, bool) or not isinstance(size, int) or size < 0 for key, size in saved.items()):
+        raise ValueError(f"cannot resume: the shard state's 'sizes' must map the index of each shard in progress to "
+                         f"its size in bytes, got {str(saved)[:200]}")
+    return {int(key): size for key, size in saved.items()}

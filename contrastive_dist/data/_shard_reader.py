@@ -18,6 +18,11 @@ with ``on_error="skip"`` it is warned about and counted (once per damaged place)
 members of a local tar are read on from a copy of them (a temporary file), so that only the samples
 of damaged members are lost. The damage takes one sample's place in the shard's count, the same at
 every reading, so a resume past it neither reads a sample twice nor counts the damage again.
+
+A resumed shard in progress must be the file its state counted in: one whose size changed since
+the state was saved was rewritten, and one that ends before the samples its state says were
+consumed is not that file either. Both raise an error naming the shard, or with ``on_error="skip"``
+are warned about, counted and skipped.
 """
 
 from __future__ import annotations
@@ -28,14 +33,8 @@ import warnings
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
-from contrastive_dist.data._shard_progress import FINISHED
-from contrastive_dist.data._tar_check import (
-    TarLayout,
-    check_stream_rest,
-    inspect_tar,
-    local_tar,
-    write_members,
-)
+from contrastive_dist.data._shard_progress import FINISHED, file_size
+from contrastive_dist.data._tar_check import check_stream_rest, inspect_tar, local_tar, write_members
 from contrastive_dist.data._tar_quick import reads_to_end
 
 __all__ = ["ON_ERROR", "SlotReader", "check_on_error"]
@@ -64,12 +63,15 @@ class SlotReader:
         first_stage: turns ``{"url": shard}`` dicts into samples naming their shard in ``__url__``.
         on_error: ``"raise"`` or ``"skip"`` an unreadable shard or sample.
         where: which worker of which rank reads, for the messages.
+        saved_sizes: the size of each shard in progress when the resumed state was saved, by index.
 
     """
 
     def __init__(self, shards: Sequence[Any], plan: list[tuple[int, int]], slot: int,
-                 first_stage: Callable[[Iterator[Any]], Iterator[Any]], *, on_error: str, where: str) -> None:
+                 first_stage: Callable[[Iterator[Any]], Iterator[Any]], *, on_error: str, where: str,
+                 saved_sizes: dict[int, int] | None = None) -> None:
         self.shards, self.plan, self.slot = shards, plan, slot
+        self.saved_sizes = saved_sizes or {}
         self.first_stage, self.on_error, self.where = first_stage, on_error, where
         self.item = 0  # the plan's item whose samples come now
         self.read = 0  # samples of that shard read so far, skipped ones and damaged places included
@@ -87,6 +89,7 @@ class SlotReader:
         """The slot's samples, past the consumed ones; an unreadable shard raises or is skipped."""
         start, copy = 0, None
         try:
+            self.plan = [item for item in self.plan if not self._rewritten(*item)]
             while start < len(self.plan):
                 stream = iter(self.first_stage(self._sources(start, copy)))
                 while True:
@@ -104,6 +107,31 @@ class SlotReader:
         finally:
             for path in self.copies:
                 _remove(path)
+
+    def _rewritten(self, index: int, skip: int) -> bool:
+        """Whether a shard in progress changed size since its state was saved (raised, or warned and counted)."""
+        saved, now = self.saved_sizes.get(index), file_size(self.shards[index])
+        if not skip or saved is None or now == saved:
+            return False
+        self._not_resumable(index, RuntimeError, f"it holds {now} bytes, but {saved} when the state was saved, so it "
+                            f"was rewritten since and its {skip} consumed samples cannot be told apart")
+        return True
+
+    def _short(self, item: int) -> None:
+        """A shard that ended before the samples its resumed state says were consumed: raise, or warn and count."""
+        index, skip = self.plan[item]
+        read = self.read if item == self.item else 0
+        if read < skip:
+            self._not_resumable(index, _Damaged, f"it ended after {read} samples, but the resumed state says {skip} "
+                                "were consumed, so it is not the file the state counted in")
+
+    def _not_resumable(self, index: int, kind: type[Exception], why: str) -> None:
+        what = f"shard {self._name(index)!r} {self.where}: {why}"
+        if self.on_error == "raise":
+            raise kind(f"cannot resume {what}" if kind is RuntimeError else what)
+        warnings.warn(f"on_error='skip': skipped {what}", RuntimeWarning, stacklevel=4)
+        self.skipped += 1
+        self.shard, self.consumed = index, FINISHED
 
     def unprocessable(self, error: Exception) -> None:
         """A later stage raised on the sample let through last: raise, or warn and count it skipped."""
@@ -140,13 +168,15 @@ class SlotReader:
         if copied:
             _remove(self.source["url"])  # a copy holds intact members only
             return None
-        if path is not None:
-            if reads_to_end(path):
-                return None
+        if path is not None and not reads_to_end(path):
             layout = inspect_tar(path)
-            return self._damaged(item, [damage.describe() for damage in layout.damages], path,
-                                 _after_damage(layout)) if layout.damages else None
-        return self._damaged(item, [rest], None, []) if rest is not None else None
+            if layout.damages:
+                return self._damaged(item, [damage.describe() for damage in layout.damages], path,
+                                     layout.read_on())
+        if rest is not None:
+            return self._damaged(item, [rest], None, [])
+        self._short(item)
+        return None
 
     def _damaged(self, item: int, damages: list[str], path: str | None, members: list[tuple[int, int]]) -> str | None:
         """Damage in the shard of ``item``: raise, or warn, count, and return a copy of its intact members (or None)."""
@@ -242,12 +272,6 @@ class SlotReader:
 
     def _name(self, index: int) -> str:
         return str(self.shards[index]) if index >= 0 else "?"
-
-
-def _after_damage(layout: TarLayout) -> list[tuple[int, int]]:
-    """The intact members to read a damaged tar on from: all of them, if any lies after its first damage."""
-    first = layout.damages[0].offset
-    return layout.members if any(start > first for start, _ in layout.members) else []
 
 
 def _remove(path: str) -> None:

@@ -94,7 +94,11 @@ def gather_rows(row: list[int], world_size: int, device: torch.device, group: Pr
 
 
 class StartRow(NamedTuple):
-    """What every rank must agree on as an iteration starts (``on_error``: its index in ``ON_ERROR``)."""
+    """What every rank must agree on as an iteration starts (``on_error``: its index in ``ON_ERROR``).
+
+    The last four are the shard list's :func:`~contrastive_dist.data._shard_progress.list_digests` (zeros
+    without a shard list).
+    """
 
     lookahead: int
     epoch: int
@@ -102,17 +106,37 @@ class StartRow(NamedTuple):
     on_error: int
     first_step: int
     progress: int
+    shards: int = 0
+    order: int = 0
+    files: int = 0
+    sizes: int = 0
 
 
 def check_start(row: StartRow, world_size: int, device: torch.device, group: ProcessGroup | None) -> None:
     """Raise the same ``ValueError`` on every rank if the ranks start an iteration with different :class:`StartRow`."""
     table = [StartRow(*values) for values in gather_rows(list(row), world_size, device, group)]
-    if len(set(table)) > 1:
+    if len({start[:6] for start in table}) > 1:
         described = ", ".join(f"rank {rank}: lookahead={start.lookahead} epoch={start.epoch} workers={start.workers} "
                               f"on_error={ON_ERROR[start.on_error]!r} resumed at step {start.first_step} (progress "
                               f"{start.progress:x})" for rank, start in enumerate(table))
         raise ValueError(f"every rank must iterate with the same lookahead, epoch, number of workers, on_error and "
                          f"resumed state, got {described}")
+    if len({start[6:] for start in table}) > 1:
+        described = "\n".join(f"  rank {rank}: {start.shards} shards{_shard_difference(start, table[0])}"
+                               for rank, start in enumerate(table))
+        raise ValueError("every rank must stream the same list of shards, in the same order (sort a glob's result: "
+                         "its order differs between machines), with files of the same sizes:\n" + described)
+
+
+def _shard_difference(start: StartRow, first: StartRow) -> str:
+    """How a rank's shard list differs from rank 0's, as far as the digests tell."""
+    if start.files != first.files:
+        return ", other files than rank 0's"
+    if start.sizes != first.sizes:
+        return ", the same file names as rank 0's, some of another size"
+    if start.order != first.order:
+        return ", the same files as rank 0's in another order"
+    return ""
 
 
 def control_device(group: ProcessGroup | None) -> torch.device:

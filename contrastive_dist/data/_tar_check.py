@@ -4,7 +4,9 @@ Python's ``tarfile`` (so webdataset) reads a tar as complete when a header in th
 invalid, zeroed or cut: it stops there without a word. :func:`inspect_tar` reads a local tar's
 headers with ``tarfile`` itself (never its contents), notes where it stopped, and asks for what a
 complete tar holds there: two or more zero blocks, to the end of the file (a whole number of
-blocks).
+blocks), and no more zeros than the end-of-archive blocks and the padding to tar's record of
+10240 bytes (:data:`MAX_END`, what ``tarfile``, GNU tar and bsdtar write): a longer run of zeros is
+members zeroed (a file whose second half was lost to zeros), not the end.
 Wherever the chain breaks before that, the shard is *damaged* there; the walk goes on at the next
 512-byte block that is a valid header (tar members start on 512-byte boundaries), so that the
 members after the damage are found too. :func:`write_members` writes those intact members as one
@@ -20,10 +22,14 @@ import os
 import tarfile
 from typing import IO, Any, NamedTuple
 
-__all__ = ["BLOCK", "Damage", "TarLayout", "check_stream_rest", "inspect_tar", "local_tar", "write_members",
-           "zeros_from"]
+__all__ = ["BLOCK", "MAX_END", "Damage", "TarLayout", "check_stream_rest", "end_problem", "inspect_tar", "local_tar",
+           "write_members", "zeros_from"]
 
 BLOCK = 512
+RECORD = 20 * BLOCK
+"""Tar's record: a tar written by ``tarfile``, GNU tar or bsdtar is padded with zeros to a whole number of them."""
+MAX_END = 2 * BLOCK + RECORD - BLOCK
+"""The most zeros a complete tar ends with: its two end-of-archive blocks and the padding to the next record."""
 _CHUNK = 1 << 16
 _ZEROS = bytes(BLOCK)
 
@@ -47,6 +53,11 @@ class TarLayout(NamedTuple):
     size: int
     members: list[tuple[int, int]]
     damages: list[Damage]
+
+    def read_on(self) -> list[tuple[int, int]]:
+        """The intact members to read a damaged tar on from: all of them, if any lies after its first damage."""
+        first = self.damages[0].offset
+        return self.members if any(start > first for start, _ in self.members) else []
 
 
 def local_tar(shard: Any) -> str | None:
@@ -126,7 +137,8 @@ def _why_it_stopped(file: IO[bytes], offset: int, size: int) -> str | None:
             return "a zero block (the end of a tar) with data after it"
         if size % BLOCK or size - offset < 2 * BLOCK:  # a tar is whole blocks, and ends with two zero blocks
             return f"the file ends inside tar's end-of-archive blocks ({size} bytes): cut short"
-        return None
+        problem = end_problem(size - offset)
+        return None if problem is None else f"{size - offset} bytes of zeros to the end of the file, {problem}"
     if len(block) < BLOCK:
         return f"the file ends inside a tar header ({size} bytes)"
     try:
@@ -134,6 +146,14 @@ def _why_it_stopped(file: IO[bytes], offset: int, size: int) -> str | None:
     except tarfile.HeaderError as error:
         return f"not a valid tar header ({_error(error)})"
     return "a header whose extended header cannot be read"
+
+
+def end_problem(zeros: int) -> str | None:
+    """What is wrong with ``zeros`` zero bytes at the end of a tar, after its last member: None if nothing."""
+    if zeros <= MAX_END:
+        return None
+    return (f"more than a complete tar ends with (its end-of-archive blocks and the padding to a record: at most "
+            f"{MAX_END} bytes): the members there were zeroed")
 
 
 def _error(error: BaseException) -> str:
@@ -209,8 +229,9 @@ def check_stream_rest(stream: Any) -> str | None:
             left += len(chunk)
     except (OSError, ValueError):  # closed, or not readable any more: nothing to tell
         return None
-    if first is None:
-        return None
+    if first is None:  # zeros only: the end, unless more than a complete tar ends with
+        problem = end_problem(left)
+        return None if problem is None else f"where the reader stopped: the {left} bytes left are zeros, {problem}"
     at = f"at byte {where + first} of the stream" if where is not None else f"{first} bytes after where it stopped"
     return (f"{at}: the reader stopped with {left} bytes of the stream unread that are not tar's zero blocks (a "
             "header there is invalid or zeroed, so tarfile ended the shard early)")

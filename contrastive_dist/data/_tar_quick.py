@@ -6,7 +6,8 @@ times faster, it checks less than ``tarfile`` would and is strict about it, so t
 passes ``tarfile`` reads to the end: each header's checksum (unsigned, as ``tarfile`` writes it),
 number fields and type, the pax records to their exact lengths (none that changes the walk, such
 as ``size``), and the end of a tar (two or more zero blocks, to the end of the file, in whole
-blocks). Anything else, damage or only unusual, is left to ``inspect_tar``.
+blocks, no more than :data:`~contrastive_dist.data._tar_check.MAX_END` bytes of them). Anything
+else, damage or only unusual, is left to ``inspect_tar``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 
-from contrastive_dist.data._tar_check import BLOCK, zeros_from
+from contrastive_dist.data._tar_check import BLOCK, MAX_END, zeros_from
 
 __all__ = ["reads_to_end"]
 
@@ -39,7 +40,7 @@ def _walk(path: str) -> bool:
             file.seek(offset)
             block = file.read(BLOCK)
             if block == _ZEROS:
-                return size - offset >= 2 * BLOCK and zeros_from(file, offset, size)
+                return 2 * BLOCK <= size - offset <= MAX_END and zeros_from(file, offset, size)
             member = _plain_header(block)
             if member is None:
                 return False

@@ -108,13 +108,14 @@ class DistributedShardList(IterableDataset):
         # the main process, the plan and progress of the iteration under way (kept by DistributedStreamingBatches).
         self._start: list[int] | None = None
         self._current: EpochShards | None = None
+        self.saved_sizes: dict[int, int] = {}  # of the shards in progress in the loaded state, by index
 
     def set_epoch(self, epoch: int) -> None:
         """Use the shard order of ``epoch`` from the next ``iter()`` on; a state loaded for another epoch is dropped."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < 2**63:
             raise ValueError(f"epoch must be an int in [0, 2**63), got {epoch!r}")
         if epoch != self.epoch:
-            self._start, self._current = None, None
+            self._start, self._current, self.saved_sizes = None, None, {}
         self.epoch = epoch
 
     def _epoch_shards(self, slots: int) -> EpochShards:
@@ -169,7 +170,7 @@ class DistributedShardList(IterableDataset):
     def begin_epoch(self, num_workers: int, *, resume: bool) -> EpochShards:
         """Start an iteration in the main process: the loaded state's rest of the epoch, or a fresh epoch."""
         if not resume:
-            self._start = None
+            self._start, self.saved_sizes = None, {}
         self._current = self._epoch_shards(self.num_replicas * max(1, num_workers))
         return self._current
 
@@ -181,11 +182,17 @@ class DistributedShardList(IterableDataset):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue the saved epoch from the next ``iter()``, dealt to this layout's slots.
 
+        A shard in progress whose file has another size than when the state was saved was rewritten
+        since: reading it raises an error naming it, or, with ``on_error="skip"``, skips it with a
+        warning and counts it (:meth:`pipeline`).
+
         Raises:
-            ValueError: another list of shards (by file name), seed or ``shuffle``, or a state that
-                :meth:`state_dict` did not make; the message says what differs.
+            ValueError: another list of shards (by file name), seed or ``shuffle``, a state that
+                :meth:`state_dict` did not make, or one that says more samples of a shard were
+                consumed than its file could hold; the message says what differs.
         """
-        self.epoch, self._start = decode_progress(state_dict, seed=self.seed, shuffle=self.shuffle, shards=self.shards)
+        self.epoch, self._start, self.saved_sizes = decode_progress(state_dict, seed=self.seed, shuffle=self.shuffle,
+                                                                    shards=self.shards)
         self._current = None
 
     def __getstate__(self) -> dict[str, Any]:

@@ -8,7 +8,11 @@ wraps the rank's loader instead: a rank that has run out yields *empty* batches 
 has, so all ranks run the same number of steps and every sample is used once.
 
 Where the agreement runs: DataLoader workers have no process group, so the wrapper runs in the
-main process, where the training loop calls ``next()``. Every ``lookahead`` steps it takes up to
+main process, where the training loop calls ``next()``. As an iteration starts, one exchange checks
+that every rank iterates alike: the same lookahead, epoch, workers, ``on_error`` and resumed state,
+and over a shard list the same shards in the same order, with files of the same sizes (digests of
+the names and of the local files' sizes): a list globbed in another order on one machine would
+read some samples twice and others never. Every ``lookahead`` steps it takes up to
 ``lookahead`` batches from the loader and all-gathers one small int64 row per rank: whether its
 loader failed, how many batches it holds, their row counts, and where in the stream each was read.
 From that table every rank knows, identically, each step's per-rank sizes (``sizes(step)``, to pass
@@ -39,7 +43,7 @@ from typing import Any
 
 from contrastive_dist._dist import GroupLike, get_world_size, is_distributed, process_group
 from contrastive_dist.data._shard_pipeline import track_positions
-from contrastive_dist.data._shard_progress import EpochShards
+from contrastive_dist.data._shard_progress import EpochShards, list_digests
 from contrastive_dist.data._shard_reader import ON_ERROR
 from contrastive_dist.data._stream_failure import raise_failure
 from contrastive_dist.data._stream_window import (
@@ -190,8 +194,9 @@ class DistributedStreamingBatches:
         start = self.pipeline.shard_list.state_dict() if self.pipeline is not None and resume else None
         on_error = self.pipeline.on_error if self.pipeline is not None else "raise"
         if is_distributed(group):
+            listed = list_digests(self.pipeline.shard_list.shards) if self.pipeline is not None else ()
             check_start(StartRow(self.lookahead, self.epoch, max(1, workers), ON_ERROR.index(on_error),
-                                 self._first_step, progress_digest(start)), world_size, device, group)
+                                 self._first_step, progress_digest(start), *listed), world_size, device, group)
         local: Iterator[Any] | None = iter(()) if finished else None  # started at the first fetch
         buffered: deque[tuple[Any, list[int]]] = deque()
         unapplied: deque[list[list[int]]] = deque()

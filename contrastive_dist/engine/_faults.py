@@ -25,11 +25,17 @@ transfer failed holds a roll call through the group's store (``_rollcall``), and
 alarm: every survivor then names the ranks that are gone (``suspects``), within about
 :data:`~contrastive_dist.engine._rollcall.ROLL_CALL_S` seconds of the first error, and none waits
 for the process group's timeout because a live neighbour stopped sending.
+
+**Collectives that can never meet.** A wait that lasts over a second asks every rank where it
+stands (``_crossed``): a rank that skipped a collective the others wait in (a backward), or that
+blocks in a collective of ``torch.distributed`` itself, is named within seconds by the same error
+on every waiting rank, instead of after the process group's timeout.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -37,6 +43,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from contrastive_dist.engine._crossed import ASK_AFTER_S, crossed, next_ask
+from contrastive_dist.engine._progress import begin_operation, waiting
 from contrastive_dist.engine._rollcall import alarm_seen, gone_ranks, watch
 from contrastive_dist.engine._waiter import in_slices, in_thread
 
@@ -137,20 +145,32 @@ def wait_named(
     if work is None:
         return
     with naming_peers(operation, group, peers=peers):
-        if not sliced or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            work.wait()
+            return
+        if not point_to_point:  # a ring hop's transfers count once, as one collective (``_ring``)
+            begin_operation(group, operation)
+        if not sliced:
             work.wait()
             return
         watch(group)
         finished = in_thread(work) if point_to_point else in_slices(work)
-        incident = 0
-        while not finished():
-            # Still waiting: did a rank elsewhere raise the alarm, and is someone gone?
-            newer = alarm_seen(group, incident)
-            if newer:
-                gone = gone_ranks(group, incident=newer)
-                if gone:
-                    raise _gone_elsewhere(operation, group, peers, gone)
-                incident = newer
+        incident, start = 0, time.monotonic()
+        ask_at = start + ASK_AFTER_S
+        with waiting(group, operation) as record:
+            while record.out_of_step or not finished():
+                # Still waiting: did a rank elsewhere raise the alarm, and is someone gone?
+                newer = alarm_seen(group, incident)
+                if newer:
+                    gone = gone_ranks(group, incident=newer)
+                    if gone:
+                        raise _gone_elsewhere(operation, group, peers, gone)
+                    incident = newer
+                if record.out_of_step or time.monotonic() >= ask_at:  # so long: can this wait ever end?
+                    found = crossed(group, operation)
+                    if found is not None:
+                        raise _out_of_step(operation, group, *found)
+                    ask_at = time.monotonic() + next_ask(time.monotonic() - start)
 
 
 def _gone_elsewhere(
@@ -164,6 +184,12 @@ def _gone_elsewhere(
         f"{waited} and learnt it from the other ranks through the process group's store (no transport error here)"
     )
     return PeerFailureError(message, operation=operation, rank=rank, suspects=gone, timed_out=False)
+
+
+def _out_of_step(operation: str, group: ProcessGroup | None, message: str, suspects: Sequence[int]) -> PeerFailureError:
+    """The error of a rank whose wait can never end: the same message on every rank in the crossing."""
+    return PeerFailureError(message, operation=operation, rank=dist.get_rank(group), suspects=suspects,
+                            timed_out=False)
 
 
 def _gone_cause(gone: Sequence[int], group: ProcessGroup | None) -> str:

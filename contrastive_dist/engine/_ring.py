@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from contrastive_dist.engine._faults import naming_peers, wait_named
+from contrastive_dist.engine._progress import begin_operation
 
 __all__ = ["Ring", "circulate"]
 
@@ -54,6 +55,7 @@ class _Pending:
         self._peers, self._ring, self._step = peers, ring, step
 
     def wait(self) -> None:
+        begin_operation(self._ring.group, self._step)  # one collective of the group, however many transfers
         # One work per operation (gloo); a backend that coalesces the batch returns fewer: both neighbours.
         per_work = len(self._peers) == len(self._works)
         sliced = all(buffer.device.type == "cpu" for buffer in self._buffers)

@@ -19,14 +19,20 @@ timeout. So on a failure the ranks ask one another, through the group's c10d sto
 4. A group that lost ranks stays broken, so a rank that fails on it again names the same ranks
    without a new roll call: survivors that have exited since, after their own error, are not the cause.
 
-Nothing is written to the store unless something failed (the thread's reads cost nothing on the
-wire of the collectives). Without a store (a backend or launcher that has none), the roll call
-answers ``None`` and errors name the peers the transfer talked to, as before.
+The same thread answers a second kind of question, asked by a rank whose wait drags on
+(:mod:`~contrastive_dist.engine._crossed`): *where do you stand?* Each rank answers with its
+standing on the group (:func:`~contrastive_dist.engine._progress.standing`: its calls, its
+collectives, the one it waits in) under ``standing/<rank>``, overwritten at each question.
+
+Nothing is written to the store unless something failed or a wait dragged on (the thread's reads
+cost nothing on the wire of the collectives). Without a store (a backend or launcher that has none),
+the roll call answers ``None`` and errors name the peers the transfer talked to, as before.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import threading
 import time
 from typing import Any
@@ -34,13 +40,15 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["ROLL_CALL_S", "alarm_seen", "gone_ranks", "watch"]
+from contrastive_dist.engine._progress import standing
+
+__all__ = ["POLL_S", "PREFIX", "ROLL_CALL_S", "alarm_seen", "answer", "gone_ranks", "watch"]
 
 ROLL_CALL_S = 1.5
 """How long a live rank may take to answer; a rank silent for longer is taken for gone."""
-_POLL_S = 0.1
+POLL_S = 0.1
 """How often the answering thread (and a waiting rank) reads the alarm."""
-_PREFIX = "contrastive_dist/faults/"
+PREFIX = "contrastive_dist/faults/"
 
 
 class _Watched:
@@ -49,6 +57,7 @@ class _Watched:
     def __init__(self, group: ProcessGroup, store: Any, rank: int, world_size: int) -> None:
         self.group, self.store, self.rank, self.world_size = group, store, rank, world_size
         self.answered = 0  # incidents 1..answered have this rank's answer
+        self.asked = 0  # questions 1..asked about the ranks' standing have this rank's answer
         self.verdicts: dict[int, tuple[int, ...]] = {}
         self.lock = threading.Lock()
         self.broken = False  # the store failed once (it may have lived in a dead process): not asked again
@@ -109,7 +118,7 @@ def _stop_thread() -> None:
 
 def _answer_alarms() -> None:
     """The answering thread: for every watched group, answer each new alarm; drop destroyed groups."""
-    while not _stop.wait(_POLL_S):
+    while not _stop.wait(POLL_S):
         for key, record in list(_watched.items()):
             if not _still_exists(record.group):
                 with _registry_lock:
@@ -118,7 +127,7 @@ def _answer_alarms() -> None:
             if record.broken:
                 continue
             try:
-                _answer(record)
+                answer(record)
             except Exception:  # noqa: BLE001 - a store that went away: nothing to answer on any more
                 record.broken = True
 
@@ -132,12 +141,18 @@ def _still_exists(group: ProcessGroup) -> bool:
         return False
 
 
-def _answer(record: _Watched) -> int:
-    """Answer every alarm raised on the group so far; the number of the latest (0: none)."""
+def answer(record: _Watched) -> int:
+    """Answer every alarm raised on the group so far, and the latest question; the number of the latest alarm."""
     with record.lock:
-        while record.store.check([f"{_PREFIX}alarm/{record.answered + 1}"]):
+        while record.store.check([f"{PREFIX}alarm/{record.answered + 1}"]):
             record.answered += 1
-            record.store.set(f"{_PREFIX}alive/{record.answered}/{record.rank}", "1")
+            record.store.set(f"{PREFIX}alive/{record.answered}/{record.rank}", "1")
+        asked = record.asked
+        while record.store.check([f"{PREFIX}asked/{record.asked + 1}"]):
+            record.asked += 1
+        if record.asked > asked:  # one answer, the standing now, for every question so far
+            answer = f"{record.asked}|{json.dumps(standing(record.group))}"
+            record.store.set(f"{PREFIX}standing/{record.rank}", answer)
         return record.answered
 
 
@@ -147,7 +162,7 @@ def alarm_seen(group: ProcessGroup | None, since: int) -> int:
     if record is None:
         return 0
     try:
-        latest = _answer(record)
+        latest = answer(record)
     except Exception:  # noqa: BLE001 - no store to read: no alarm can be seen
         record.broken = True
         return 0
@@ -186,16 +201,16 @@ def _roll_call(record: _Watched, incident: int) -> tuple[int, ...]:
         # call would also name the survivors that have exited since, after their own error.
         return lost
     if incident == 0:
-        latest = _answer(record)
+        latest = answer(record)
         if latest and latest not in record.verdicts:
             incident = latest  # a rank elsewhere already raised the alarm for this failure: the same roll call
         else:
             incident = latest + 1
-            store.set(f"{_PREFIX}alarm/{incident}", str(record.rank))
-            _answer(record)
+            store.set(f"{PREFIX}alarm/{incident}", str(record.rank))
+            answer(record)
     if incident in record.verdicts:
         return record.verdicts[incident]
-    verdict_key = f"{_PREFIX}verdict/{incident}"
+    verdict_key = f"{PREFIX}verdict/{incident}"
     answered: set[int] = set()
     deadline = time.monotonic() + ROLL_CALL_S
     while True:
@@ -203,12 +218,12 @@ def _roll_call(record: _Watched, incident: int) -> tuple[int, ...]:
             gone = _parse(store.get(verdict_key))
             break
         answered |= {r for r in range(record.world_size) if r not in answered
-                     and store.check([f"{_PREFIX}alive/{incident}/{r}"])}
+                     and store.check([f"{PREFIX}alive/{incident}/{r}"])}
         if len(answered) == record.world_size or time.monotonic() > deadline:
             found = ",".join(str(r) for r in range(record.world_size) if r not in answered)
             store.compare_set(verdict_key, "", f"gone:{found}")  # the first verdict stands (never empty)
             gone = _parse(store.get(verdict_key))
             break
-        time.sleep(_POLL_S / 2)
+        time.sleep(POLL_S / 2)
     record.verdicts[incident] = gone
     return gone

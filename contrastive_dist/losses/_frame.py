@@ -32,24 +32,9 @@ from contrastive_dist._validation import collect
 from contrastive_dist.engine._agreement import Layout, agree
 from contrastive_dist.engine._wire import all_reduce
 from contrastive_dist.losses import _driver
+from contrastive_dist.losses import _options as opt
 from contrastive_dist.losses._families import Family
 from contrastive_dist.losses._negatives import SharedNegatives
-from contrastive_dist.losses._options import (
-    Communication,
-    Reduction,
-    SameId,
-    check_chunk_size,
-    check_communication,
-    check_ids,
-    check_reduction,
-    check_same_id,
-    check_temperature,
-    check_weight,
-    compute_dtype,
-    operands,
-    positive_scalar,
-    resolve_scale,
-)  # fmt: skip
 from contrastive_dist.losses._targets import SMALL_KEYS, RowTargets, comparable_keys, small_keys_flag
 from contrastive_dist.losses._transports import Columns, columns_of, meet
 
@@ -73,10 +58,10 @@ class Common:
     group: GroupLike
     sizes: Sequence[int] | None
     weight: object
-    reduction: Reduction
-    communication: Communication
+    reduction: opt.Reduction
+    communication: opt.Communication
     ids: object = None
-    same_id: SameId | None = None
+    same_id: opt.SameId | None = None
 
 
 @dataclass(frozen=True)
@@ -127,8 +112,9 @@ class Call(Generic[Own]):
         Shape:
             features: ``(n_r · per_sample, D)``; keys: ``(n_r · per_sample,)``.
         """
-        columns = columns_of(self.common.communication, self.layout, operands(features), keys, per_sample=per_sample,
-                             weights=self.weights if own_losses else None)
+        weights = self.weights if own_losses else None
+        columns = columns_of(self.common.communication, self.layout, opt.operands(features), keys,
+                             per_sample=per_sample, weights=weights)
         columns = columns._replace(own_losses=columns.counts) if own_losses else columns
         if negatives is None:
             return columns
@@ -147,7 +133,7 @@ class Call(Generic[Own]):
         """
         problem = _driver.Problem(family, targets, columns, self.chunk, tiles)
         scale = self.scale if scale is None else scale
-        return _driver.per_row(operands(queries), columns.features, scale, bias, problem)
+        return _driver.per_row(opt.operands(queries), columns.features, scale, bias, problem)
 
     def weighted_sum(self, family: Family, queries: Tensor, columns: Columns, targets: RowTargets, *,
                      weights: Tensor | None = None, bias: Tensor | None = None, tiles: RowTargets | None = None,
@@ -158,7 +144,7 @@ class Call(Generic[Own]):
         """
         problem = _driver.Problem(family, targets, columns, self.chunk, tiles)
         weights = self.weights if weights is None else weights
-        return _driver.weighted_sum(operands(queries), columns.features, self.scale, bias, problem, weights)
+        return _driver.weighted_sum(opt.operands(queries), columns.features, self.scale, bias, problem, weights)
 
     def mean(self, family: Family, queries: Tensor, columns: Columns, targets: RowTargets, *,
              bias: Tensor | None = None) -> Tensor:  # fmt: skip
@@ -193,7 +179,8 @@ class Call(Generic[Own]):
 
 
 def begin(check: Callable[[], Own], common: Common, *, inputs: Sequence[object], options: Mapping[str, object],
-          keyed: Sequence[object] = (), extra: int = 0, total: bool = True) -> Call[Own]:  # fmt: skip
+          keyed: Sequence[object] = (), extra: int = 0, total: bool = True,
+          scalars: Mapping[str, int] | None = None) -> Call[Own]:  # fmt: skip
     """Check a call on this rank and agree on it with every rank; the same error everywhere if any rank's is wrong.
 
     Args:
@@ -204,6 +191,7 @@ def begin(check: Callable[[], Own], common: Common, *, inputs: Sequence[object],
         keyed: id-like tensors beside ``common.ids`` whose keys every rank must compare alike.
         extra: this rank's second count (its own negatives).
         total: whether the weight total is agreed (a loss whose denominator only its blocks reveal: no).
+        scalars: the loss's other scalars, by name: their index in ``check()``'s result (equal everywhere).
     """
     local_inputs = list(inputs)
 
@@ -211,25 +199,24 @@ def begin(check: Callable[[], Own], common: Common, *, inputs: Sequence[object],
         local_inputs[:] = as_local(inputs, common.group)  # DTensor inputs: this rank's rows, or refused
         own = cast(Own, as_local(check(), common.group))
         features: Tensor = own[0]
-        check_reduction(common.reduction, common.weight)
-        check_communication(common.communication)
+        opt.check_reduction(common.reduction, common.weight)
+        opt.check_communication(common.communication)
         if common.same_id is not None:
-            check_same_id(common.same_id)
+            opt.check_same_id(common.same_id)
         if common.temperature is None:
-            scale = positive_scalar("logit_scale", common.logit_scale, features)
+            scale = opt.positive_scalar("logit_scale", common.logit_scale, features)
         else:
-            scale = resolve_scale(common.logit_scale, check_temperature(common.temperature), features)
+            scale = opt.resolve_scale(common.logit_scale, opt.check_temperature(common.temperature), features)
         rows = features.shape[0]
-        return (own, scale, check_chunk_size(common.chunk_size), check_weight(common.weight, rows, features),
-                check_ids("ids", common.ids, rows, features))
+        return (own, scale, opt.check_chunk_size(common.chunk_size), opt.check_weight(common.weight, rows, features),
+                opt.check_ids("ids", common.ids, rows, features))
 
     result, problem = collect(checked)
     flags: int | Tensor = 0
     if result is not None:
-        dtype, exchanged, flags = compute_dtype(result[0][0].dtype), is_distributed(common.group), SMALL_KEYS
+        dtype, exchanged, flags = opt.compute_dtype(result[0][0].dtype), is_distributed(common.group), SMALL_KEYS
         for keys in (result[4], *keyed):  # every rank's keys small, or compared as integers everywhere
             flags = small_keys_flag(keys if isinstance(keys, Tensor) else None, dtype, exchanged=exchanged) & flags
-    same_id = {} if common.same_id is None else {"same_id": common.same_id}
     weight_total = None if result is None or not total or result[3] is None else result[3].sum(dtype=torch.float64)
     # Every rank must share these: the temperature where no logit_scale replaces it, whether weights come
     # (their values are per row, like the features'), whether ids do, and what equal ids mean.
@@ -237,10 +224,13 @@ def begin(check: Callable[[], Own], common: Common, *, inputs: Sequence[object],
               "reduction": common.reduction, "weight": common.weight is not None}  # fmt: skip
     if common.temperature is not None:
         agreed["temperature"] = common.temperature if common.logit_scale is None else "logit_scale"
-    agreed |= {"ids": common.ids is not None, **same_id, **options}
+    agreed |= {"ids": common.ids is not None} | ({} if common.same_id is None else {"same_id": common.same_id})
+    agreed |= options
+    own_scalars = {} if result is None else {name: result[0][index] for name, index in (scalars or {}).items()}
+    compared = None if result is None else {"logit_scale": result[1], **own_scalars}
     layout = agree([tensor for tensor in (*local_inputs, common.ids) if tensor is not None], problem=problem,
                    group=common.group, operation=common.operation, options=agreed, sizes=common.sizes, extra=extra,
-                   total=weight_total, flags=flags)  # fmt: skip
+                   total=weight_total, flags=flags, scalars=compared)  # fmt: skip
     assert result is not None  # the agreement raised otherwise
     own, scale, chunk, weights, ids = result
     return Call(own, scale, chunk, weights, ids, layout, common)

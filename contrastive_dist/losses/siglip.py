@@ -96,7 +96,7 @@ def siglip(
     call = begin(own, Common(operation="siglip", logit_scale=logit_scale, temperature=None, chunk_size=chunk_size,
                              group=group, sizes=sizes, weight=weight, reduction=reduction,
                              communication=communication, ids=ids, same_id=same_id),
-                 inputs=(image_features, text_features), options={})  # fmt: skip
+                 inputs=(image_features, text_features), options={}, scalars={"logit_bias": 2})  # fmt: skip
     images, texts, bias = call.own
     with full_precision(images.device):
         keys = call.keys(call.ids)

@@ -39,6 +39,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from contrastive_dist.engine._wire import all_gather_single, all_reduce
+from contrastive_dist.nn._norm_mode import STATISTICS
 
 __all__ = ["GlobalStats", "global_batch_stats", "normalize_with_global_stats"]
 
@@ -99,8 +100,7 @@ def global_batch_stats(x: Tensor, channels: int, group: ProcessGroup | None, wor
     """
     local = _local_moments(x, channels)
     table = local.new_empty((world_size, local.numel()))
-    operation = "SyncBatchNorm forward (exchange of the batch statistics)"
-    all_gather_single(table, local.unsqueeze(0), group=group, operation=operation)
+    all_gather_single(table, local.unsqueeze(0), group=group, operation=STATISTICS)
     counts, problems = table[:, 0], table[:, 1]
     means, m2s = table[:, 2 : 2 + channels], table[:, 2 + channels :]
     # One host sync reads every decision the ranks must agree on.

@@ -23,6 +23,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from contrastive_dist._dist import GroupLike, get_world_size, is_distributed, process_group
 from contrastive_dist.nn._norm_function import GlobalStats, global_batch_stats, normalize_with_global_stats
+from contrastive_dist.nn._norm_mode import agree_on_training
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
@@ -43,7 +44,9 @@ class SyncBatchNorm(_BatchNorm):
 
     Every rank must run every training forward *and* backward of the layer, also a rank with
     no rows (its loss must stay connected to the model output, as the gradient contract
-    requires), or the other ranks wait in the collective.
+    requires), or the other ranks wait in the collective. Every rank must be in the same mode: a
+    rank in eval mode while the others train is found at the step's first layer, and every rank
+    raises the same ``ValueError`` (one small agreement per training step, see ``_norm_mode``).
 
     Args:
         num_features: number of channels ``C``.
@@ -59,7 +62,8 @@ class SyncBatchNorm(_BatchNorm):
 
     Raises:
         ValueError: on every rank, when the global batch holds one value per channel in
-            training, or some rank's input is not ``(N, C, *)``.
+            training, some rank's input is not ``(N, C, *)``, or a rank is in eval mode while
+            the others train.
 
     Shape:
         input: ``(N, C)``, ``(N, C, L)``, ``(N, C, H, W)`` or ``(N, C, D, H, W)``, ``N`` may be 0.
@@ -115,6 +119,7 @@ class SyncBatchNorm(_BatchNorm):
         if not (self.training and is_distributed(group)):
             return super().forward(input)
         world_size = get_world_size(group)
+        agree_on_training(input, self.num_features, group)  # every rank trains: else the same error everywhere
         stats = global_batch_stats(input, self.num_features, group, world_size)
         if self.track_running_stats:
             self._update_running_stats(stats)
