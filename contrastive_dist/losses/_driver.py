@@ -73,7 +73,7 @@ def weighted_sum(queries: Tensor, keys: Tensor, scale: Tensor, bias: Tensor | No
         rows, columns, has = per_row(queries, keys, scale, bias, problem)
         total = rows + columns if problem.columns.own_losses is not None else rows
         return (total.sum() if weights is None else total @ weights), has
-    wanted = _wanted(queries, keys, scale, bias)
+    wanted, keys = _wanted(queries, keys, scale, bias), _distinct(keys, queries)
     return _Formed.apply(queries, keys, scale, bias, problem, weights, wanted)  # type: ignore[no-any-return]
 
 
@@ -81,8 +81,17 @@ def per_row(queries: Tensor, keys: Tensor, scale: Tensor, bias: Tensor | None,
             problem: Problem) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Each row's ``ℓ_i`` ``(n,)``, this rank's own columns' (symmetric; else empty), and whether each row has one."""
     problem = problem if problem.tiles is None else _tiles.taken(problem, queries, keys, bias)
-    wanted = _wanted(queries, keys, scale, bias)
+    wanted, keys = _wanted(queries, keys, scale, bias), _distinct(keys, queries)
     return _Recomputed.apply(queries, keys, scale, bias, problem, wanted)  # type: ignore[no-any-return]
+
+
+def _distinct(keys: Tensor, queries: Tensor) -> Tensor:
+    """``keys``, as a tensor of its own where it is ``queries`` (NT-Xent's ring: the rows are their own columns).
+
+    torch.compile cannot trace an autograd function given one tensor twice; a view is another input, and
+    autograd still adds both of its gradients into the one tensor.
+    """
+    return keys.view_as(keys) if keys is queries else keys
 
 
 def _wanted(*tensors: Tensor | None) -> tuple[bool, ...]:
@@ -223,9 +232,17 @@ class _Run:
             key_grad = key_grad.mul_(self.scale)[: self.keys.shape[0]]  # (the columns held here take none)
         return query_grad, key_grad if grads.want_key else None, scale_grad
 
-    def new_key_grad(self, owner: int) -> Tensor:
+    def new_key_grad(self, owner: int, after: Tensor | None = None) -> Tensor:
+        """A block's keys' gradient, zeros; in backward, ``after`` the upstream gradient.
+
+        The dependence on ``after`` (an empty sum: exactly zero) keeps the exchange of this gradient in a
+        compiled backward: on a rank without rows nothing else ties it to the upstream gradient, and AOT
+        autograd's partitioner moved that rank's collective into the forward graph, where the other ranks
+        did not run it (HCL, shards (3, 0), ``tests/test_compile.py``).
+        """
         rows = self.block_keys.shape[0] if owner < 0 else self.columns.counts[owner]
-        return self.scale.new_zeros((rows, self.keys.shape[1]))
+        zeros = self.scale.new_zeros((rows, self.keys.shape[1]))
+        return zeros if after is None else zeros.add_(after[:0].sum().to(zeros.dtype))
 
     def states(self, grads: Grads | None, weights: Tensor | None) -> Tensor | None:
         """Pass 1: every row's final state (symmetric: the own columns' too).
@@ -284,7 +301,9 @@ class _Run:
             upstream = torch.as_tensor(column_weights).to(self.column_state).expand(self.column_state.shape[0])
             block = (*block, torch.cat((self.column_state, upstream[:, None]), dim=1))
             rows = [*rows, self.own_losses]
-        home = self.transport.run(block, rows, visit, self.new_key_grad if grads.want_key else None)
+        after = row_weights if isinstance(row_weights, Tensor) else None
+        new_key_grad = functools.partial(self.new_key_grad, after=after) if grads.want_key else None
+        home = self.transport.run(block, rows, visit, new_key_grad)
         if self.ring and self.local:
             visit(LOCAL, self.local, None)
         return home

@@ -107,10 +107,8 @@ def same_key(row_keys: Tensor, column_keys: Tensor, like: Tensor) -> SameKey:
             within = torch.arange(total) - (torch.cumsum(counts, 0) - counts)[pair_rows]
             return SameKey(None, pair_rows, order[first[pair_rows] + within])
     keyed = column_keys.shape[0]
-    if keyed == columns:
-        # A fresh contiguous out= (empty_like would copy a transposed block's strides, refused by torch.compile).
-        return SameKey(torch.eq(row_keys[:, None], column_keys[None, :], out=like.new_empty(like.shape)))
-    dense = like.new_zeros(like.shape)
-    # Assigned, not written through out= (a column slice is not contiguous, which torch.compile refuses).
+    dense = like.new_empty(like.shape) if keyed == columns else like.new_zeros(like.shape)
+    # Assigned, not written through out=: torch.compile refuses an out= it cannot prove contiguous (a column
+    # slice; in ring mode, a block whose size is symbolic).
     dense[:, :keyed] = torch.eq(row_keys[:, None], column_keys[None, :])
     return SameKey(dense)

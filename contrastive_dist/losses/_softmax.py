@@ -107,8 +107,10 @@ def block_state_(logits: Tensor, targets: Targets, positive_mask: SameKey | None
     state[:, _MAX] = row_max
     shifted = logits.sub_(_finite(row_max)[:, None])
     if by_key:
-        # (Comparisons written into a float tensor: several times faster than bool masks on CPU.)
-        at_max = torch.eq(shifted, 0.0, out=torch.empty_like(shifted))
+        # (Comparisons written into a float tensor: several times faster than bool masks on CPU. torch.compile
+        # refuses an out= of a transposed block's strides, and fuses the cast itself.)
+        at_max = (shifted.eq(0.0).to(shifted.dtype) if torch.compiler.is_compiling()
+                  else torch.eq(shifted, 0.0, out=torch.empty_like(shifted)))
         numerators = shifted.exp_()
         numerators.addcmul_(at_max, numerators, value=-1.0)  # the maxima's terms out ...
         state[:, _REST] = numerators.sum(dim=1)

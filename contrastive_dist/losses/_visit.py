@@ -274,7 +274,7 @@ def add_product_(out: Tensor, first: Tensor, second: Tensor) -> Tensor:
     Example:
         >>> import torch
         >>> out, a, b = torch.ones(2, 4), torch.randn(2, 3).bfloat16(), torch.randn(3, 4).bfloat16()
-        >>> torch.equal(add_product_(out.clone(), a, b), out + a.float() @ b.float())
+        >>> torch.allclose(add_product_(out.clone(), a, b), out + a.float() @ b.float())
         True
     """
     if first.dtype == second.dtype and first.dtype in _HALF and out_dtype_products(first.device):
