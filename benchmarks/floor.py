@@ -22,8 +22,10 @@ so other load on the machine moves it little) and reports the medians of ``--rep
 **Calls.** ``default`` is the call with its default arguments (``chunk_size=None``); ``chunk256`` adds
 ``chunk_size=256`` (``--chunk``); ``default+ids`` adds ``ids=`` (one sample in 50 shares its
 neighbour's id, as repeated captions do) to InfoNCE, SigLIP and NT-Xent, float32, one process: its
-``target`` is its time ÷ the same call's without ids (≤ 1.10). ``info_nce(images, texts)``
-(symmetric), ``siglip(images, texts, scale, bias)`` with a learnable scale 10 and bias −10,
+``target`` is its time ÷ the same call's without ids (≤ 1.10). ``default M=4N`` gives InfoNCE and SigLIP
+four texts per image (``--captions``) with ``image_ids=`` / ``text_ids=``: ``n`` image rows against
+``4n`` text columns, whose floor is the same three products at that size (SigLIP+'s target ≤ 1.20).
+``info_nce(images, texts)`` (symmetric), ``siglip(images, texts, scale, bias)`` with a learnable scale 10 and bias −10,
 ``nt_xent(z1, z2)``, ``supcon(features, labels)`` with two views per sample and four samples per
 label; features L2-normalised.
 Peers on the same inputs and floor, one process: open_clip's ``ClipLoss()`` (constant scale 1/0.07,
@@ -70,15 +72,22 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 COLUMNS = ("loss", "mode", "call", "dtype", "ms", "floor ms", "×floor", "target")
 
 
+CAPTION_LOSSES = ("info_nce", "siglip")
+CAPTION_TARGETS = {"siglip": 1.20}
+"""×floor targets of the default call with several texts per image (float32, gather mode, one process)."""
+
+
 class Case(NamedTuple):
     loss: str
     chunk: int | None
     dtype: str
     ids: bool = False
+    captions: int = 1  # texts per image: M = captions · N, positives by image_ids= / text_ids=
 
 
 def _call_name(case: Case) -> str:
-    return ("default" if case.chunk is None else f"chunk{case.chunk}") + ("+ids" if case.ids else "")
+    name = ("default" if case.chunk is None else f"chunk{case.chunk}") + ("+ids" if case.ids else "")
+    return name + (f" M={case.captions}N" if case.captions > 1 else "")
 
 
 def _ids(n: int) -> Tensor:
@@ -98,11 +107,16 @@ def _step(case: Case, n: int, dim: int, communication: str, rank: int, world_siz
     """One forward + backward of ``case`` on this rank's rows of a global batch of ``n`` samples."""
     rows = slice(rank * n // world_size, (rank + 1) * n // world_size)
     dtype = DTYPES[case.dtype]
-    first, second = (_view(seed, n, dim, rows, dtype).requires_grad_() for seed in (1, 2))
+    texts = slice(rows.start * case.captions, rows.stop * case.captions)
+    first, second = (_view(seed, n * many, dim, part, dtype).requires_grad_()
+                     for seed, many, part in ((1, 1, rows), (2, case.captions, texts)))  # fmt: skip
     leaves = [first, second]
     options: dict[str, Any] = {"chunk_size": case.chunk, "communication": communication}
     if case.ids:
         options["ids"] = _ids(n)[rows]
+    if case.captions > 1:  # image i's texts: rows captions·i ... captions·i + captions − 1
+        text_ids = torch.arange(n).repeat_interleave(case.captions)[texts]
+        options |= {"image_ids": torch.arange(n)[rows], "text_ids": text_ids}
     scale, bias = torch.tensor(10.0, requires_grad=True), torch.tensor(-10.0, requires_grad=True)
     loss: Callable[[], torch.Tensor]
     if case.loss == "info_nce":
@@ -141,8 +155,8 @@ def _step(case: Case, n: int, dim: int, communication: str, rank: int, world_siz
 
 def _floor(case: Case, n: int, dim: int, world_size: int) -> Callable[[], None]:
     """The products this rank's rows cannot avoid, on random float32 operands of the same sizes."""
-    columns = 2 * n if case.loss in SYMMETRIC else n
-    rows = columns // world_size
+    columns = 2 * n if case.loss in SYMMETRIC else n * case.captions
+    rows = (2 * n if case.loss in SYMMETRIC else n) // world_size
     generator = torch.Generator().manual_seed(3)
     queries, keys = torch.randn(rows, dim, generator=generator), torch.randn(columns, dim, generator=generator)
     logit_grad = torch.randn(rows, columns, generator=generator)
@@ -191,6 +205,11 @@ def _target(
         if same_w_ratio is not None:
             cell += f"; ÷ gather at W {ratio / same_w_ratio:.2f}"
         return cell, relative
+    if case.captions > 1:
+        caption_target = CAPTION_TARGETS.get(case.loss)
+        if caption_target is None:
+            return "", None
+        return f"≤ {caption_target:.2f} {'✓' if ratio <= caption_target else '✗'}", None
     if case.ids:  # the cost of ids: against the same call without
         if gather_ratio is None:
             return "", None
@@ -214,6 +233,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     ]
     if not args.no_ids:  # the default call with ids, one process only
         cases += [Case(loss, None, "fp32", ids=True) for loss in ID_LOSSES if loss in losses and "fp32" in args.dtypes]
+    if args.captions > 1:  # the default call with several texts per image, float32
+        cases += [Case(loss, None, "fp32", captions=args.captions) for loss in CAPTION_LOSSES if loss in losses]
     gather: dict[Case, tuple[float, float]] = {}
     for case in cases:
         gather[case] = _medians(
@@ -238,7 +259,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 continue
             seconds, floor_seconds = results[case]
             ratio = seconds / floor_seconds
-            base = gather[case._replace(ids=False)]  # an ids row compares with the same call without
+            base = gather[case._replace(ids=False, captions=1) if case._replace(ids=False, captions=1) in gather
+                          else case]  # an ids row compares with the same call without
             gather_ratio = base[0] / base[1]
             same_w = at_w["gather"].get(case)
             same_w_ratio = None if same_w is None else same_w[0] / same_w[1]
@@ -294,6 +316,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--no-ring", action="store_true", help="gather rows only")
     parser.add_argument("--no-peers", action="store_true", help="no open_clip rows")
     parser.add_argument("--no-ids", action="store_true", help="no rows of the default call with ids=")
+    parser.add_argument("--captions", type=int, default=4, help="texts per image of the rows with image_ids= and "
+                        "text_ids= (M = captions · N, InfoNCE and SigLIP); 1: no such rows")
     parser.add_argument("--quick", action="store_true", help="n = 64, D = 16, 1 repeat, chunk 16: a smoke test")
     parser.add_argument("--csv", help="also write the rows to this CSV file")
     args = parser.parse_args(argv)

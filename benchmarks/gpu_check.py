@@ -26,9 +26,14 @@ One GPU: every method's value and gradients (features, the learnable ``logit_sca
 peak memory at global batch 16k–128k, D = 768: ``info_nce`` and ``siglip`` in gather mode called by
 default (``chunk_size=None``) and with ``chunk_size`` 1024 and 4096 (``--chunk-sizes``), and in ring
 mode by default (one block on one rank), with the host's time to issue a step, against open_clip's
-``ClipLoss`` / ``SigLipLoss`` and, for bf16 SigLIP, siglip-kernel (Triton) on the same GPU, each
-until its first out-of-memory. The ``compute`` column says how each multiplies (ours: the route the
-core resolves here). Then every bf16 SigLIP method at B = 65,536 over siglip-kernel measured live.
+``ClipLoss`` / ``SigLipLoss`` and, in bf16, the specialists on the same GPU: siglip-kernel (Triton)
+for SigLIP (its default entry point and ``chunk_size=1024``, and its ``DistributedSigLIPLoss`` ring and
+gather on one rank, at 16k, 64k and 128k), Inf-CL's ``cal_flash_loss`` for InfoNCE (two calls, one per
+direction, at the same three), each until its first out-of-memory. The ``compute`` column says how each
+multiplies (ours: the route the core resolves here). Then every bf16 method at B = 65,536 over its
+loss's specialist measured live. Last, a conformance section on a process group of one rank: Inf-CL's
+``cal_ring_loss`` and ``cal_inf_loss``, siglip-kernel's distributed losses, Inf-CL's gradient of the
+scale over ours, and a row naming what one GPU cannot check.
 
 Several GPUs (``torchrun``; each process on the GPU of its ``LOCAL_RANK``, NCCL bound to it with
 ``device_id``): the gather, every loss in ``communication="gather"`` and ``"ring"`` (ring's NCCL
@@ -82,6 +87,7 @@ def run_one(device: torch.device, sizes: Sizes, csv_path: str, deadline_s: float
             log_path: str | None = None, summary_path: str | None = None) -> int:
     """The one-device sections; the number of sections that failed."""
     import gpu_check_one as one
+    from gpu_check_conformance import conformance
     from gpu_check_losses import PRECISIONS
     from gpu_check_machine import machine_row
     from gpu_check_report import Deadline, Report, run_section
@@ -95,6 +101,9 @@ def run_one(device: torch.device, sizes: Sizes, csv_path: str, deadline_s: float
                              one.speed(device, sizes, precision, loss, deadline, point_seconds), device=device)
                  for precision, loss in pairs]
     finished.append(run_section(report, "1 rank: anchor", one.anchor(report.rows), device=device))
+    # Last: its rings' backward passes gradients to the process's own rank; should that ever stall, the
+    # day's backstop stops this section alone, with every measurement already on disk.
+    finished.append(run_section(report, "1 rank: conformance", conformance(device, sizes), device=device))
     report.close()
     _finish(report.rows, summary_path)
     return finished.count(False)

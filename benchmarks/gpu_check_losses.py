@@ -12,7 +12,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,6 @@ PRECISIONS = {
     "fp32": Precision("fp32", torch.float32, False, False, "IEEE fp32 products (TF32 off)"),
     "tf32": Precision("tf32", torch.float32, False, True, "TF32 products"),
 }
-SIGLIP_KERNEL_COMPUTE = "siglip-kernel's own route for the dtype (bf16: cuBLAS products, Triton BCE)"
 
 
 @dataclass
@@ -95,6 +94,22 @@ def shard(x: Inputs, sizes: tuple[int, ...], rank: int) -> Inputs:
 LossFn = Callable[[Inputs], Tensor]
 
 
+class Method(NamedTuple):
+    """One loss as the check runs it: its row label, chunk cell, function and ``compute`` label.
+
+    ``fn`` is ``None`` when it cannot run here, and ``missing`` says why; ``note`` goes into each of its
+    rows; ``batches``: its own global batches for the speed rows (``None``: the check's).
+    """
+
+    label: str
+    chunk_size: int | None
+    fn: LossFn | None
+    compute: str
+    missing: str = ""
+    note: str = ""
+    batches: tuple[int, ...] | None = None
+
+
 def ours(loss: str, *, chunk_size: int | None, communication: Literal["gather", "ring"] = "gather",
          group: dist.ProcessGroup | None = None, ids: bool = False) -> LossFn:
     """This package's loss (one of :data:`PROFILED`), through its public functions; ``ids``: with the samples'
@@ -129,23 +144,6 @@ def open_clip_loss(loss: str, *, rank: int = 0, world_size: int = 1) -> LossFn |
         return lambda x: clip(x.images, x.texts, x.log_scale.exp())
     sigmoid = SigLipLoss(rank=rank, world_size=world_size)
     return lambda x: sigmoid(x.images, x.texts, x.log_scale.exp(), x.bias)
-
-
-def siglip_kernel_loss(*, chunk_size: int | None = None) -> LossFn | None:
-    """siglip-kernel's SigLIP (Triton, CUDA only), or ``None`` when it is not installed.
-
-    ``chunk_size=None``: its default entry point (``fused_siglip_loss``, which picks the kernel and
-    the chunk for the dtype and GPU); a number: its chunked bf16 kernel at that chunk. It takes the
-    log of the scale, as our inputs hold it, and normalises as ours does (the sum over pairs / B).
-    """
-    try:
-        import siglip_kernel
-    except Exception:  # noqa: BLE001 - a library that fails to import is missing for the comparison
-        return None
-    if chunk_size is None:
-        return lambda x: siglip_kernel.fused_siglip_loss(x.images, x.texts, x.log_scale, x.bias)
-    return lambda x: siglip_kernel.fused_chunked_bf16_siglip_loss(x.images, x.texts, x.log_scale, x.bias,
-                                                                  chunk_size=chunk_size)
 
 
 @contextlib.contextmanager

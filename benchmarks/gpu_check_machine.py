@@ -20,7 +20,8 @@ from gpu_check_report import Row
 from contrastive_dist.losses import product_route
 
 VARIABLES = ("CONTRASTIVE_DIST_PRODUCTS", "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE")
-COMPARED = {"open_clip": "open_clip", "siglip_kernel": "siglip-kernel"}  # import name → distribution name
+# import name → distribution name
+COMPARED = {"open_clip": "open_clip", "siglip_kernel": "siglip-kernel", "inf_cl": "inf-cl"}
 
 
 def machine_row(device: torch.device, world_size: int) -> Row:

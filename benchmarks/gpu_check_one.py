@@ -9,12 +9,11 @@ allocator's cache is emptied between methods. Each function yields rows (without
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
 
 import torch
+from gpu_check_anchors import INF_CL, SIGLIP_KERNEL, specialists
 from gpu_check_losses import (
-    SIGLIP_KERNEL_COMPUTE,
-    LossFn,
+    Method,
     Precision,
     gradients,
     make_inputs,
@@ -22,42 +21,33 @@ from gpu_check_losses import (
     ours,
     reference,
     relative_errors,
-    siglip_kernel_loss,
     train_step,
 )
 from gpu_check_report import Deadline, Row, Sizes, failure, measure, out_of_memory, release
 from gpu_check_summary import ANCHOR_BATCH
 
 OPEN_CLIP_MISSING = "skipped: open_clip is not installed (pip install open_clip_torch, or its wheels: gpu_day.sh)"
-SIGLIP_KERNEL_MISSING = "skipped: siglip-kernel is not installed (pip install siglip-kernel, or its wheel: gpu_day.sh)"
-SIGLIP_KERNEL_CUDA = "skipped: siglip-kernel runs on CUDA only (Triton)"
 DEFAULT_CHUNK = "default"  # the chunk cell of our default call (chunk_size=None: the core's rule)
-ANCHOR = "siglip-kernel"  # the method every SigLIP row is compared with at ANCHOR_BATCH, measured on the same GPU
+ANCHOR = SIGLIP_KERNEL  # the method every SigLIP row is compared with at ANCHOR_BATCH, measured on the same GPU
+ANCHORS = {"siglip": ANCHOR, "info_nce": f"{INF_CL} cal_flash_loss, both directions"}  # the same for each loss
 
 
-class Method(NamedTuple):
-    label: str
-    chunk_size: int | None
-    fn: LossFn | None  # None: not run, ``missing`` says why
-    compute: str
-    missing: str = ""
-
-
-def methods(loss: str, precision: Precision, device: torch.device, chunk_sizes: Sequence[int | None]) -> list[Method]:
+def methods(loss: str, precision: Precision, device: torch.device, chunk_sizes: Sequence[int | None],
+            specialist_batches: Sequence[int] = ()) -> list[Method]:
     """open_clip, ours in gather mode per chunk size (``None``: the default call), ours in ring mode at the
-    first (one rank: one block), then siglip-kernel for bf16 SigLIP (its default entry point, and its
-    minimum-memory chunk 1024)."""
+    first (one rank: one block), then the specialists in bf16 (:func:`gpu_check_anchors.specialists`): for
+    SigLIP siglip-kernel's default entry point, its minimum-memory chunk 1024 and its distributed module on
+    one rank, for InfoNCE Inf-CL's flash loss."""
     found = [Method("open_clip", None, open_clip_loss(loss), precision.open_clip, OPEN_CLIP_MISSING)]
     compute = precision.ours(device)
     found += [Method("ours gather", chunk, ours(loss, chunk_size=chunk), compute) for chunk in chunk_sizes]
     found.append(Method("ours ring", chunk_sizes[0], ours(loss, chunk_size=chunk_sizes[0], communication="ring"),
                         compute))
-    if loss == "siglip" and precision.dtype == torch.bfloat16:
-        for label, chunk in ((ANCHOR, None), (f"{ANCHOR} chunk_size=1024", 1024)):
-            fn = siglip_kernel_loss(chunk_size=chunk) if device.type == "cuda" else None
-            why = SIGLIP_KERNEL_CUDA if device.type != "cuda" else SIGLIP_KERNEL_MISSING
-            found.append(Method(label, chunk, fn, SIGLIP_KERNEL_COMPUTE, why))
-    return found
+    return found + specialists(loss, precision, device, specialist_batches)
+
+
+def _with_note(note: str, method: Method) -> str:
+    return f"{note}; {method.note}" if method.note else note
 
 
 def _row(loss: str, method: Method, precision: Precision, batch: int | None) -> Row:
@@ -75,7 +65,8 @@ def exactness(device: torch.device, sizes: Sizes, precision: Precision, loss: st
     chunk = sizes.chunk_sizes[0]
     with_ids = [Method(f"ours {mode}, ids", chunk, ours(loss, chunk_size=chunk, communication=mode, ids=True),
                        precision.ours(device)) for mode in ("gather", "ring")]  # fmt: skip
-    for method in [*methods(loss, precision, device, sizes.chunk_sizes[:1]), *with_ids]:
+    for method in [*methods(loss, precision, device, sizes.chunk_sizes[:1], sizes.specialist_batches),
+                   *with_ids]:
         row = _row(loss, method, precision, sizes.exact_batch)
         if method.fn is None:
             yield {**row, "note": method.missing}
@@ -83,7 +74,8 @@ def exactness(device: torch.device, sizes: Sizes, precision: Precision, loss: st
         try:
             value = train_step(method.fn, x, precision, device)()
             expected = want_with_ids if method in with_ids else want
-            yield {**row, **relative_errors(gradients(loss, value, x), expected)}
+            errors = relative_errors(gradients(loss, value, x), expected)
+            yield {**row, **errors, "note": _with_note(errors["note"], method)}
         except Exception as error:  # noqa: BLE001 - one method's failure costs its own row only
             yield {**row, "note": failure(error)}
         for leaf in x.leaves():
@@ -98,12 +90,12 @@ def speed(device: torch.device, sizes: Sizes, precision: Precision, loss: str, d
     ``ratio`` is the time over open_clip's at the same loss, precision and batch.
     """
     open_clip_ms: dict[int, float] = {}
-    for method in methods(loss, precision, device, sizes.chunk_sizes):
+    for method in methods(loss, precision, device, sizes.chunk_sizes, sizes.specialist_batches):
         if method.fn is None:
             yield {**_row(loss, method, precision, None), "note": method.missing}
             continue
         last: tuple[int, float] | None = None  # (batch, seconds a step) of the last size measured
-        for batch in sizes.batches:
+        for batch in method.batches or sizes.batches:
             row = _row(loss, method, precision, batch)
             # Time grows as batch² here: skip what would end past the budget, say so.
             step_s = 0.0 if last is None else last[1] * (batch / last[0]) ** 2
@@ -128,7 +120,7 @@ def speed(device: torch.device, sizes: Sizes, precision: Precision, loss: str, d
             elif batch in open_clip_ms:
                 ratio = timing.time_ms / open_clip_ms[batch]
             yield {**row, "time_ms": timing.time_ms, "peak_mib": timing.peak_mib, "repeats": timing.repeats,
-                   "ratio": ratio, "note": f"host {timing.host_ms:.1f} ms a step"}
+                   "ratio": ratio, "note": _with_note(f"host {timing.host_ms:.1f} ms a step", method)}
         release(device)
 
 
@@ -146,22 +138,26 @@ PUBLISHED: list[Row] = [
 
 
 def anchor(measured: Sequence[Row]) -> Iterator[Row]:
-    """Every bf16 SigLIP method at ``ANCHOR_BATCH`` over siglip-kernel measured on the same GPU, then the
-    published figures for context. ``ratio``: time over the anchor's; the note gives the peak ratio."""
-    at_anchor = [row for row in measured if row.get("check", "").startswith("siglip: ")
-                 and row.get("dtype") == "bfloat16" and row.get("batch") == ANCHOR_BATCH
-                 and row.get("time_ms") is not None and "(published)" not in row["check"]]
-    base = next((row for row in at_anchor if row["check"] == f"siglip: {ANCHOR}"), None)
-    if base is None:
-        yield {"check": f"siglip: each method / {ANCHOR} (live)", "dtype": "bfloat16", "batch": ANCHOR_BATCH,
-               "note": f"no ratio: {ANCHOR} was not measured at this batch here (CUDA and its wheel are needed)"}
-    else:
+    """Every bf16 method at ``ANCHOR_BATCH`` over its loss's specialist measured on the same GPU (SigLIP over
+    siglip-kernel, InfoNCE over Inf-CL), then siglip-kernel's published figures for context. ``ratio``: time
+    over the specialist's; the note gives the peak ratio."""
+    for loss, base_label in ANCHORS.items():
+        at_anchor = [row for row in measured if row.get("check", "").startswith(f"{loss}: ")
+                     and row.get("dtype") == "bfloat16" and row.get("batch") == ANCHOR_BATCH
+                     and row.get("time_ms") is not None and "(published)" not in row["check"]]
+        base = next((row for row in at_anchor if row["check"] == f"{loss}: {base_label}"), None)
+        if base is None:
+            yield {"check": f"{loss}: each method / {base_label} (live)", "dtype": "bfloat16", "batch": ANCHOR_BATCH,
+                   "note": f"no ratio: {base_label} was not measured at this batch here (CUDA and its wheel are "
+                           "needed)"}
+            continue
         for row in at_anchor:
             if row is base:
                 continue
             peak = row["peak_mib"] / base["peak_mib"] if base.get("peak_mib") else float("nan")
             chunk = "" if row.get("chunk_size") is None else f" (chunk {row['chunk_size']})"
-            yield {"check": f"{row['check']}{chunk} / {ANCHOR} (live)", "dtype": "bfloat16", "batch": ANCHOR_BATCH,
-                   "chunk_size": row.get("chunk_size"), "ratio": row["time_ms"] / base["time_ms"],
+            yield {"check": f"{row['check']}{chunk} / {base_label} (live)", "dtype": "bfloat16",
+                   "batch": ANCHOR_BATCH, "chunk_size": row.get("chunk_size"),
+                   "ratio": row["time_ms"] / base["time_ms"],
                    "note": f"time ratio, same GPU, same protocol; peak ratio {peak:.2f}"}
     yield from PUBLISHED

@@ -36,6 +36,7 @@ class Sizes:
     dim: int = 768
     exact_batch: int = 4096  # one GPU: every method against float64
     batches: tuple[int, ...] = (16384, 32768, 65536, 131072)  # one GPU: time and memory
+    specialist_batches: tuple[int, ...] = (16384, 65536, 131072)  # one GPU: siglip-kernel's module and Inf-CL
     chunk_sizes: tuple[int | None, ...] = (None, 1024, 4096)  # None: the default call (its chunk rule)
     precisions: tuple[str, ...] = ("bf16", "fp32", "tf32")
     exact_rows: int = 16  # several GPUs: float64 checks, about this many rows per rank, one rank empty
@@ -47,9 +48,9 @@ class Sizes:
     sweep_world_size: int = 8  # the sweep runs with at least this many ranks (Inf-CL's 8-GPU setting)
 
 
-TINY = Sizes(dim=16, exact_batch=48, batches=(32, 64), chunk_sizes=(8, 16), precisions=("bf16", "fp32"),
-             exact_rows=8, scale_rows=12, gather_rows=16, loss_rows=16, memory_rows=8, sweep_batches=(48, 96),
-             sweep_world_size=3)
+TINY = Sizes(dim=16, exact_batch=48, batches=(32, 64), specialist_batches=(32, 64), chunk_sizes=(8, 16),
+             precisions=("bf16", "fp32"), exact_rows=8, scale_rows=12, gather_rows=16, loss_rows=16, memory_rows=8,
+             sweep_batches=(48, 96), sweep_world_size=3)
 COLUMNS = ("section", "check", "dtype", "compute", "ranks", "batch", "chunk_size", "repeats", "time_ms",
            "peak_mib", "ratio", "max_error", "note")
 Row = dict[str, Any]

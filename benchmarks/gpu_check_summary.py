@@ -38,7 +38,7 @@ def summary(rows: Sequence[Row], *, anchor_batch: int) -> list[str]:
         lines.append("exactness, worst relative error (value and every gradient) against float64:")
         lines += [f"  {check} @ {batch}: {error:.1e}" for (_, check), (error, batch) in sorted(worst.items())]
     ratios = [row for row in rows if str(row.get("section", "")).endswith("anchor")]
-    lines += ["anchor (siglip-kernel measured on this GPU):"] + [
+    lines += ["anchor (each loss's specialist measured on this GPU: siglip-kernel, Inf-CL):"] + [
         f"  {row['check']}: {_figure(row.get('ratio'), '.2f')}x; {row.get('note', '')}" for row in ratios
         if "(published)" not in row["check"]]
     speed = [row for row in rows if row.get("time_ms") is not None and row.get("batch") == anchor_batch

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # The first GPU day in one call: machine facts, the fused-loss tests on CUDA's compiled kernels, the
-# GPU check (exactness on CUDA, speed and memory, siglip-kernel measured beside ours and open_clip on
-# the same GPU), every file under $OUT, and a short summary as the last lines of output.
+# GPU check (exactness on CUDA, speed and memory, siglip-kernel and Inf-CL measured beside ours and
+# open_clip on the same GPU, their distributed entry points on a 1-rank group), the ring model fed with
+# this GPU's block times, every file under $OUT, and a short summary as the last lines of output.
 #
 # Runs from a bare checkout: the package is not installed, PYTHONPATH is set to the checkout. The
 # libraries compared against come as wheels from $GPU_DAY_WHEELS (default .whl/, git-ignored; fill
 # it with `bash benchmarks/gpu_day.sh --fetch-wheels` where pip can reach PyPI), installed into a
-# temporary --target: pure-Python wheels of open_clip_torch, ftfy, wcwidth, siglip-kernel, and einops
-# (the package's one dependency besides torch, there too, so that a machine with torch alone runs it;
-# open_clip's other needs, numpy, torchvision, timm, huggingface_hub, regex, safetensors and tqdm, and
-# triton are on the GPU machine already). Without CUDA it says so and exits 0 (GPU_DAY_DRY_RUN=1: it then runs
-# the check's CPU sections at tiny sizes instead, as a dry run of the whole pipeline).
+# temporary --target: pure-Python wheels of open_clip_torch, ftfy, wcwidth, siglip-kernel, inf-cl, and
+# einops (the package's one dependency besides torch, there too, so that a machine with torch alone runs
+# it; open_clip's other needs, numpy, torchvision, timm, huggingface_hub, regex, safetensors and tqdm, and
+# triton, which siglip-kernel and inf-cl need too, are on the GPU machine already). A library missing
+# costs its own rows ("skipped: <why>"), never the day. Without CUDA it says so and exits 0
+# (GPU_DAY_DRY_RUN=1: it then runs the check's CPU sections at tiny sizes instead, and the ring model
+# with its placeholder block time, as a dry run of the whole pipeline).
 #
 #   OUT=/tmp/out bash benchmarks/gpu_day.sh        # sized for about 7 minutes on one H200
 #
@@ -23,7 +26,7 @@ set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 WHEELS="${GPU_DAY_WHEELS:-$REPO/.whl}"
-PINS=(open_clip_torch==3.3.0 ftfy==6.3.1 wcwidth==0.2.13 siglip-kernel==0.1.2 einops==0.8.2)
+PINS=(open_clip_torch==3.3.0 ftfy==6.3.1 wcwidth==0.2.13 siglip-kernel==0.1.2 inf-cl==1.2.1 einops==0.8.2)
 
 if [[ "${1:-}" == "--fetch-wheels" ]]; then  # here, where PyPI is reachable; not on the GPU machine
     exec "$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -53,7 +56,7 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
         echo "wheels: pip install from $WHEELS failed; the comparisons will say what is missing"
     fi
 else
-    echo "wheels: none in $WHEELS (bash benchmarks/gpu_day.sh --fetch-wheels fills it); open_clip and siglip-kernel rows will be skipped"
+    echo "wheels: none in $WHEELS (bash benchmarks/gpu_day.sh --fetch-wheels fills it); open_clip, siglip-kernel and Inf-CL rows will be skipped"
 fi
 export PYTHONPATH="$REPO${SITE:+:$SITE}"
 
@@ -75,7 +78,7 @@ print(f"TF32: matmul {torch.backends.cuda.matmul.allow_tf32}, cuDNN {torch.backe
 for name in ("CONTRASTIVE_DIST_PRODUCTS", "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"):
     print(f"{name}={os.environ.get(name, '(unset)')}")
 # siglip_kernel asks the driver for the GPU's architecture when imported: without one it raises.
-for module in ("triton", "contrastive_dist", "open_clip", "open_clip.loss", "siglip_kernel"):
+for module in ("triton", "contrastive_dist", "open_clip", "open_clip.loss", "siglip_kernel", "inf_cl"):
     try:
         imported = importlib.import_module(module)
         print(f"import {module}: ok {getattr(imported, '__version__', '')} ({getattr(imported, '__file__', '')})")
@@ -106,6 +109,8 @@ if [[ $CUDA_STATUS -ne 0 ]]; then
         echo "== dry run: the check's CPU sections at tiny sizes"
         OMP_NUM_THREADS=1 "${CHECK[@]}" --device cpu --tiny --point-seconds 0.02
         echo "dry run: gpu_check exit status $?"
+        "$PYTHON" benchmarks/ring_model.py >"$OUT/ring_model.md" 2>&1
+        echo "dry run: ring model (placeholder block times) exit status $?: $OUT/ring_model.md"
     fi
     echo "== gpu_day: done in $((SECONDS - START)) s (no CUDA: nothing measured); files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
     return 0
@@ -136,6 +141,9 @@ for loss in nt_xent supcon; do
         --rows 12 >"$OUT/profile_$loss.txt" 2>&1
     echo "profile $loss: exit status $?: $(grep -m 1 ' ms a step' "$OUT/profile_$loss.txt")"
 done
+# The multi-GPU ring predicted from this GPU's siglip-kernel block times (a model, not a measurement).
+"$PYTHON" benchmarks/ring_model.py --csv "$OUT/gpu_check_1gpu.csv" >"$OUT/ring_model.md" 2>&1
+echo "ring model: exit status $? ($OUT/ring_model.md): $(grep -m 1 '^| 4 GPUs, 1 node' "$OUT/ring_model.md")"
 echo "== gpu_day: done in $((SECONDS - START)) s; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 # Last: the summary, rebuilt from the CSV on disk (so it comes even when the check was stopped).
 "$PYTHON" benchmarks/gpu_check_summary.py "$OUT/gpu_check_1gpu.csv"

@@ -190,6 +190,8 @@ _REPLICATE = ("make it Replicate() there: give the tensor-parallel layer output_
 def as_local(values: Sequence[T], group: GroupLike) -> tuple[T, ...]:
     """``values`` with every ``DTensor`` replaced by its local tensor (this rank's rows); others as they are.
 
+    A named tuple stays one of its kind.
+
     Raises:
         ValueError: a ``DTensor`` whose placements do not give this rank's rows (see the module docstring).
 
@@ -199,16 +201,13 @@ def as_local(values: Sequence[T], group: GroupLike) -> tuple[T, ...]:
         torch.Size([2, 3])
     """
     tensor_module = sys.modules.get("torch.distributed.tensor")
-    if tensor_module is None:  # no DTensor can exist
-        return tuple(values)
-    dtensor_type = tensor_module.DTensor
-    local: list[Any] = []
-    for value in values:
-        if isinstance(value, dtensor_type):
-            _check_placements(value, _group_ranks(group))
-            value = value.to_local()
-        local.append(value)
-    return tuple(local)
+    local: list[Any] = list(values)
+    if tensor_module is not None:  # else no DTensor can exist
+        for index, value in enumerate(values):
+            if isinstance(value, tensor_module.DTensor):
+                _check_placements(value, _group_ranks(group))
+                local[index] = value.to_local()
+    return type(values)(*local) if hasattr(values, "_fields") else tuple(local)  # type: ignore[return-value]
 
 
 def _group_ranks(group: GroupLike) -> set[int]:

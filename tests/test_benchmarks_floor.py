@@ -41,6 +41,8 @@ def test_quick_run_has_every_row(tmp_path: Path, capsys: pytest.CaptureFixture[s
         for mode in ("gather", "gather W=2", "ring W=2")
     ] + [(peer, "gather", "default", dtype) for peer in floor.PEERS for dtype in floor.DTYPES]
     expected += [(loss, "gather", "default+ids", "fp32") for loss in floor.ID_LOSSES]
+    expected += [(loss, mode, "default M=4N", "fp32") for loss in floor.CAPTION_LOSSES
+                 for mode in ("gather", "gather W=2", "ring W=2")]  # fmt: skip
     with open(path, newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert sorted((row["loss"], row["mode"], row["call"], row["dtype"]) for row in rows) == sorted(expected)

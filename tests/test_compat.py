@@ -143,9 +143,9 @@ def test_importing_the_drop_ins_and_the_launcher_imports_none_of_the_originals()
     import subprocess
     import sys
 
-    code = ("import sys, contrastive_dist.compat, contrastive_dist.compat.open_clip_train; "
-            "print(sorted(m for m in ('open_clip', 'open_clip_train', 'lightly', 'sentence_transformers') "
-            "if m in sys.modules))")
+    code = ("import sys, contrastive_dist.compat, contrastive_dist.compat.open_clip_train, "
+            "contrastive_dist.compat.siglip_kernel; print(sorted(m for m in ('open_clip', 'open_clip_train', "
+            "'lightly', 'sentence_transformers', 'siglip_kernel') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"

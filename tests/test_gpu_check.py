@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,35 @@ def _section(rows: list[dict[str, str]], name: str, *, start: bool = False) -> l
     return [row for row in rows if row["section"].endswith(name)]
 
 
+SIGLIP_KERNEL_CUDA = "skipped: siglip-kernel runs on CUDA only (Triton)"
+INF_CL_CUDA = "skipped: Inf-CL's flash kernels run on CUDA only (Triton; they assert CUDA tensors)"
+INF_CL_MISSING = "skipped: inf-cl is not installed (pip install inf-cl==1.2.1, or its wheel: gpu_day.sh)"
+
+
+def _specialist(row: dict[str, str]) -> bool:
+    return "siglip-kernel" in row["check"] or "Inf-CL" in row["check"]
+
+
+def _check_conformance(rows: list[dict[str, str]]) -> None:
+    """The conformance section on CPU: ours on the 1-rank group against float64, the rest skipped or noted."""
+    checks = [row["check"] for row in rows]
+    assert checks[0] == "info_nce: ours ring, 1-rank group" and checks[-1] == "not checkable on one GPU", checks
+    assert "siglip: ours ring, 1-rank group" in checks
+    for row in rows:
+        if row["check"].endswith("ours ring, 1-rank group"):
+            assert row["dtype"] == "float32" and float(row["max_error"]) < 1e-5, row
+        elif "siglip-kernel" in row["check"] or row["check"].startswith("info_nce: Inf-CL cal_flash_loss"):
+            assert row["note"] in (SIGLIP_KERNEL_CUDA, INF_CL_CUDA), row
+    by_check = dict(zip(checks, rows))
+    assert by_check["info_nce: Inf-CL cal_inf_loss, 1-rank group"]["note"] == INF_CL_CUDA
+    assert "siglip+: siglip-kernel DistributedSigLIPPlusLoss, 1-rank group, ids" in by_check
+    ring = by_check["info_nce: Inf-CL cal_ring_loss, 1-rank group"]["note"]
+    # Installed, its ring runs on gloo: the value is checked; its backward's send to its own rank fails there.
+    assert ring == INF_CL_MISSING or (ring.startswith("failed: ") and "(in its backward); value only, relative: value"
+                                      in ring), ring
+    assert "torchrun" in rows[-1]["note"] and "W x scale gradient" in rows[-1]["note"]
+
+
 def test_without_cuda_it_says_so_in_one_line_and_exits_0(tmp_path: Path) -> None:
     environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
@@ -97,16 +127,19 @@ def test_one_rank_sections_end_to_end_on_cpu_with_every_file_under_out() -> None
     assert machine["section"] == "machine" and machine["check"].startswith("1 x CPU")
     for fact in (f"torch {torch.__version__}", "CUDA ", "Triton ", "TF32 matmul off", "CONTRASTIVE_DIST_PRODUCTS=",
                  "NVIDIA_TF32_OVERRIDE=", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=",
-                 "bf16 route: bfloat16 upcast to float32 before the products", "open_clip ", "siglip-kernel ", "UTC"):
+                 "bf16 route: bfloat16 upcast to float32 before the products", "open_clip ", "siglip-kernel ",
+                 "inf-cl ", "UTC"):
         assert fact in machine["note"], machine
     exactness = _section(rows, "exactness", start=True)
     assert {row["section"] for row in exactness} == {f"1 rank: exactness {precision} {loss}"
                                                      for precision in ("bf16", "fp32") for loss in LOSSES}
-    # 2 precisions × 2 losses × (open_clip, ours gather, ours ring, both with ids), and siglip-kernel's two
-    # (bf16 SigLIP; CUDA only).
-    kernel = [row for row in exactness if "siglip-kernel" in row["check"]]
-    assert len(kernel) == 2
-    assert all(row["note"] == "skipped: siglip-kernel runs on CUDA only (Triton)" for row in kernel)
+    # 2 precisions × 2 losses × (open_clip, ours gather, ours ring, both with ids), and in bf16 the specialists:
+    # siglip-kernel's four (CUDA only) and Inf-CL's flash loss (CUDA only).
+    kernel = [row for row in exactness if _specialist(row)]
+    assert [(row["section"], row["check"], row["note"]) for row in kernel] == [
+        *(("1 rank: exactness bf16 siglip", f"siglip: siglip-kernel{method}", SIGLIP_KERNEL_CUDA) for method in (
+            "", " chunk_size=1024", " DistributedSigLIPLoss ring, W=1", " DistributedSigLIPLoss gather, W=1")),
+        ("1 rank: exactness bf16 info_nce", "info_nce: Inf-CL cal_flash_loss, both directions", INF_CL_CUDA)]
     exactness = [row for row in exactness if row not in kernel]
     assert len(exactness) == 20 and all("scale" in _errors(row["note"]) for row in exactness)
     assert len([row for row in exactness if row["check"].endswith(", ids")]) == 8
@@ -123,16 +156,21 @@ def test_one_rank_sections_end_to_end_on_cpu_with_every_file_under_out() -> None
                 assert row["compute"] == "bfloat16 upcast to float32 before the products; fp32 logits and state", row
             else:
                 assert row["compute"] == "bf16 products, bf16 logits (autocast)", row
-    speed = [row for row in _section(rows, "speed", start=True) if "siglip-kernel" not in row["check"]]
+    speed = [row for row in _section(rows, "speed", start=True) if not _specialist(row)]
     # 2 precisions × 2 losses × (open_clip, ours gather with 2 chunk sizes, ours ring) × 2 batches.
     assert len(speed) == 32
     assert {row["check"].split(": ")[1] for row in speed} == {"open_clip", "ours gather", "ours ring"}
     assert all(float(row["time_ms"]) > 0 and int(row["repeats"]) >= 3 and row["peak_mib"] == "" for row in speed)
     assert all(float(row["ratio"]) > 0 for row in speed if "ours" in row["check"])
+    # Each specialist: one row saying why it was not run.
+    assert [row["note"] for row in _section(rows, "speed", start=True) if _specialist(row)] == [
+        SIGLIP_KERNEL_CUDA] * 4 + [INF_CL_CUDA]
+    _check_conformance(_section(rows, "conformance"))
     anchor = _section(rows, "anchor")
-    assert anchor[0]["note"].startswith("no ratio: siglip-kernel was not measured")
-    assert [row["time_ms"] for row in anchor[1:]] == ["48.80", "54.30"]
-    assert all("siglip-kernel 0.1.2 README" in row["note"] and row["batch"] == "65536" for row in anchor[1:])
+    assert [row["note"].split(":")[0] for row in anchor[:2]] == ["no ratio", "no ratio"]
+    assert "siglip-kernel" in anchor[0]["check"] and "Inf-CL" in anchor[1]["check"]
+    assert [row["time_ms"] for row in anchor[2:]] == ["48.80", "54.30"]
+    assert all("siglip-kernel 0.1.2 README" in row["note"] and row["batch"] == "65536" for row in anchor[2:])
     printed = done.stdout
     assert printed.count("\n1 rank: ") == len(rows) - 1 and f"written to {path}" in printed
     summary = printed[printed.index("== gpu_check summary =="): printed.index("written to")]
@@ -160,16 +198,19 @@ def test_a_failing_section_costs_only_its_rows_and_earlier_rows_are_already_on_d
 
     monkeypatch.setattr(one, "speed", failing_speed)
     assert _module("gpu_check").main([*FAST, "--csv", str(path), "--out", str(tmp_path)]) == 1
-    assert seen_on_disk[0]["section"] == "machine"
-    assert all(row["section"].startswith("1 rank: exactness") for row in seen_on_disk[1:]) and len(seen_on_disk) == 23
     rows = _read(path)
+    assert seen_on_disk[0]["section"] == "machine"
+    assert all(row["section"].startswith("1 rank: exactness") for row in seen_on_disk[1:])
+    assert len(seen_on_disk) == 1 + 20 + 5  # and the specialists' 5 exactness rows
     assert rows[: len(seen_on_disk)] == seen_on_disk
     failed = _section(rows, "speed bf16 siglip")
     assert [row["check"] for row in failed] == ["measured before the failure", "section failed"]
     assert failed[1]["note"] == "rank 0: RuntimeError: injected failure"
     for other in ("speed bf16 info_nce", "speed fp32 siglip", "speed fp32 info_nce"):  # the next sections still ran
-        assert len(_section(rows, other)) == 8 and all(row["time_ms"] for row in _section(rows, other))
-    assert len(_section(rows, "anchor")) == 3
+        measured = [row for row in _section(rows, other) if not _specialist(row)]
+        assert len(measured) == 8 and all(row["time_ms"] for row in measured)
+    assert [row["note"] for row in _section(rows, "speed bf16 info_nce") if _specialist(row)] == [INF_CL_CUDA]
+    assert len(_section(rows, "anchor")) == 4 and rows[-1]["check"] == "not checkable on one GPU"
 
 
 def test_a_method_that_raises_costs_its_own_rows_and_an_allocator_error_reads_as_out_of_memory(
@@ -228,6 +269,62 @@ def test_past_the_time_budget_every_measurement_is_skipped_with_a_row_saying_so(
     rows = list(_module("gpu_check_one").speed(torch.device("cpu"), report.TINY, losses.PRECISIONS["fp32"],
                                                "info_nce", report.Deadline(0.0), 0.02))
     assert len(rows) == 8 and all(row["note"] == "skipped: past the time budget (--time-budget)" for row in rows)
+
+
+def test_conformance_runs_a_ring_on_a_1_rank_group_and_divides_its_scale_gradient_by_ours(
+        monkeypatch: pytest.MonkeyPatch, one_thread: None) -> None:
+    """With a stand-in for Inf-CL's ring (its documented call: one direction's mean cross-entropy, the scale times
+    q only), the section runs it on its 1-rank gloo group, both directions, and finds our scale gradient."""
+
+    def cal_ring_loss(q: torch.Tensor, k: torch.Tensor, labels: Any = None, scale: Any = None,
+                      head_dim: int = 256) -> torch.Tensor:
+        assert torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1
+        assert q.shape[1] % head_dim == 0
+        return torch.nn.functional.cross_entropy((scale * q).float() @ k.float().T, torch.arange(len(q)))
+
+    monkeypatch.setitem(sys.modules, "inf_cl", types.SimpleNamespace(cal_ring_loss=cal_ring_loss))
+    rows = {row["check"]: row for row in _module("gpu_check_conformance").conformance(
+        torch.device("cpu"), _module("gpu_check_report").TINY)}
+    assert not torch.distributed.is_initialized()  # the group lives for the section only
+    ring = rows["info_nce: Inf-CL cal_ring_loss, 1-rank group"]
+    assert ring["max_error"] < 1e-5 and set(_errors(ring["note"])) == {"value", "images", "texts", "scale"}, ring
+    scale = rows["info_nce: Inf-CL cal_ring_loss, 1-rank group: scale gradient / ours"]
+    assert scale["ratio"] == pytest.approx(1.0, abs=1e-5) and scale["max_error"] < 1e-5, scale
+    assert "not checkable on one GPU" in scale["note"]
+    assert rows["info_nce: Inf-CL cal_inf_loss, 1-rank group"]["note"] == INF_CL_CUDA
+
+
+def test_ring_model_prints_its_table_and_a_faster_link_never_predicts_a_slower_step(tmp_path: Path) -> None:
+    model = _module("ring_model")
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ring_model.py")], capture_output=True,
+                            text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [(row[0], row[1]) for row in rows[1:]] == [("| 1 GPU", "even")] + [
+        (f"| {name}", pattern) for name in ("4 GPUs, 1 node", "8 GPUs, 1 node", "8 GPUs, 2 nodes")
+        for pattern in model.PATTERNS]
+    assert {(row[0], row[-1]) for row in rows if row[-1] != "- |"} == {
+        ("| setting", "published ms |"), ("| 1 GPU", "46.9 |"), ("| 4 GPUs, 1 node", "13.1 |"),
+        ("| 8 GPUs, 2 nodes", "10.1 |")}
+    assert "a model, not a measurement" in result.stdout and "ASSUMPTION" in result.stdout
+    # Block times from a gpu_check CSV: the fastest bf16 speed row of the method at each batch.
+    path = tmp_path / "one.csv"
+    path.write_text("section,check,dtype,batch,time_ms\n1 rank: speed bf16 siglip,siglip: siglip-kernel,bfloat16,"
+                    "16384,3.5\n1 rank: speed bf16 siglip,siglip: siglip-kernel,bfloat16,16384,3.0\n"
+                    "1 rank: anchor,siglip: siglip-kernel,bfloat16,65536,1.0\n")
+    blocks = model.block_times_from_csv(str(path), "siglip: siglip-kernel")
+    assert blocks.ms_by_batch == {16384: 3.0} and blocks.block_ms(8192, 8192) == pytest.approx(0.75)
+    assert "| 4 GPUs, 1 node | even | 16,384 | 25.2 | 12.0 |" in model.main(["--csv", str(path)])
+    for shards in ([16384] * 4, model.shards(65536, 4, "one rank empty"), model.shards(65536, 8, "one rank +25%")):
+        for nodes, backward_share in ((1, 0.0), (2, 0.0), (2, 0.6)):
+            slow, fast = (model.predict(shards, dim=768, nodes=nodes, blocks=blocks, backward_share=backward_share,
+                                        links=model.Links(nvlink_gbs=gbs, inter_node_gbs=gbs / 10))
+                          for gbs in (50, 900))
+            assert fast.serial_ms < slow.serial_ms and fast.overlapped_ms <= slow.overlapped_ms, (shards, nodes)
+            assert fast.overlapped_ms <= fast.serial_ms and slow.overlapped_ms <= slow.serial_ms
+    even, empty = (model.predict(model.shards(65536, 4, pattern), dim=768, nodes=1, blocks=blocks, links=model.Links())
+                   for pattern in ("even", "one rank empty"))
+    assert empty.blocks_ms > even.blocks_ms  # the fullest rank's rows set every step
 
 
 def ranks_on_cpu(rank: int, world_size: int, csv_path: str) -> list[dict[str, Any]]:
@@ -385,6 +482,9 @@ def test_gpu_day_installs_the_wheels_into_a_temporary_target_and_imports_them(
     kernel = re.search(r"^import siglip_kernel: (.*)$", result.stdout, re.MULTILINE)
     assert kernel is not None and (kernel[1].startswith("ok") or kernel[1].startswith(
         f"FAILED (installed at {site[1]}/siglip_kernel/__init__.py) RuntimeError")), kernel
+    if any(WHEELS.glob("inf_cl-*.whl")):  # pure Python: it imports wherever Triton does
+        assert re.search(rf"^import inf_cl: ok \S* ?\({re.escape(site[1])}/inf_cl/__init__.py\)$", result.stdout,
+                         re.MULTILINE), result.stdout
     assert not Path(site[1]).exists()  # the temporary target is removed at the end
 
 

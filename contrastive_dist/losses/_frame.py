@@ -86,6 +86,11 @@ class Call(Generic[Own]):
     common: Common
 
     @property
+    def second_layout(self) -> Layout:
+        """The layout of the inputs counted by the agreement's second count (``begin(extra=)``)."""
+        return self.layout._replace(sizes=self.layout.extra_sizes)
+
+    @property
     def per_row(self) -> bool:
         """Whether the loss returns its rows' losses (``reduction="none"``)."""
         return self.common.reduction == "none"
@@ -101,19 +106,21 @@ class Call(Generic[Own]):
 
     def columns(self, features: Tensor, *, keys: Tensor | None = None, per_sample: int = 1,
                 negatives: Tensor | SharedNegatives | None = None, negative_keys: Tensor | None = None,
-                own_losses: bool = False) -> Columns:  # fmt: skip
+                own_losses: bool = False, second: bool = False) -> Columns:  # fmt: skip
         """The columns this rank's rows meet: every rank's ``features`` (``per_sample`` rows a sample), their keys.
 
         ``negatives``: InfoNCE's extra columns, this rank's own (after its features, every rank's) or
         :class:`~contrastive_dist.SharedNegatives` (held here), with ``negative_keys``. ``own_losses``: the
         features' columns have losses of their own, from the same logits (a symmetric loss); in gather
-        mode the rows' weights travel with them.
+        mode the rows' weights travel with them. ``second``: the features are counted by the agreement's
+        second count, not by the rows (the texts of a batch with several per image).
 
         Shape:
-            features: ``(n_r · per_sample, D)``; keys: ``(n_r · per_sample,)``.
+            features: ``(n_r · per_sample, D)`` (``second``: ``(m_r, D)``); keys: one per feature row.
         """
         weights = self.weights if own_losses else None
-        columns = columns_of(self.common.communication, self.layout, opt.operands(features), keys,
+        layout = self.second_layout if second else self.layout
+        columns = columns_of(self.common.communication, layout, opt.operands(features), keys,
                              per_sample=per_sample, weights=weights)
         columns = columns._replace(own_losses=columns.counts) if own_losses else columns
         if negatives is None:
@@ -155,23 +162,23 @@ class Call(Generic[Own]):
         total, _ = self.weighted_sum(family, queries, columns, targets, bias=bias)
         return self.share(total if columns.own_losses is None else total * 0.5)
 
-    def share(self, value: Tensor, *, local_denominator: Tensor | None = None) -> Tensor:
+    def share(self, value: Tensor, *, local_denominator: Tensor | None = None, per: int = 1) -> Tensor:
         """The global mean of ``value`` summed over the ranks as the value, this rank's share as its gradient.
 
         ``local_denominator``: this rank's part of a denominator only the ranks' sum gives (SupCon's anchors
-        with positives); default the agreed weight total or row count. See :func:`global_mean`.
+        with positives); default the agreed weight total or row count, times ``per``. See :func:`global_mean`.
         """
         total = sum(self.layout.sizes) if self.layout.total is None else self.layout.total
-        return global_mean(value, self.layout, total if local_denominator is None else None,
+        return global_mean(value, self.layout, total * per if local_denominator is None else None,
                            local_denominator=local_denominator)  # fmt: skip
 
-    def gathered(self, rows: Tensor) -> Tensor:
-        """Every rank's ``rows`` (one per local sample), in rank order; differentiable.
+    def gathered(self, rows: Tensor, *, second: bool = False) -> Tensor:
+        """Every rank's ``rows`` (one per local sample; ``second``: per second count), in rank order; differentiable.
 
         Shape:
             rows: ``(n_r, ...)``; output: ``(N, ...)``.
         """
-        return meet("gather", self.layout, [rows])[0]
+        return meet("gather", self.second_layout if second else self.layout, [rows])[0]
 
     def summed(self, value: Tensor) -> Tensor:
         """``value`` summed over the ranks (one all-reduce; traceable under ``torch.compile``)."""

@@ -163,7 +163,7 @@ def resolve_scale(logit_scale: object, temperature: float, like: Tensor) -> Tens
     return positive_scalar("logit_scale", logit_scale, like)
 
 
-def check_weight(weight: object, rows: int, like: Tensor) -> Tensor | None:
+def check_weight(weight: object, rows: int, like: Tensor, name: str = "weight") -> Tensor | None:
     """Return ``weight`` detached, in ``like``'s compute dtype and device, after checking it.
 
     Expected: a real tensor of shape ``(rows,)``, every entry finite and ≥ 0.
@@ -171,18 +171,18 @@ def check_weight(weight: object, rows: int, like: Tensor) -> Tensor | None:
     if weight is None:
         return None
     if not isinstance(weight, Tensor):
-        raise TypeError(f"weight must be a torch.Tensor of shape ({rows},), got {type(weight).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor of shape ({rows},), got {type(weight).__name__}")
     if weight.dtype == torch.bool or weight.is_complex():
-        raise TypeError(f"weight must be a real (float or integer) tensor, got {weight.dtype}")
+        raise TypeError(f"{name} must be a real (float or integer) tensor, got {weight.dtype}")
     if weight.shape != (rows,):
-        raise ValueError(f"weight must have one entry per local row, shape ({rows},), got {tuple(weight.shape)}")
+        raise ValueError(f"{name} must have one entry per local row, shape ({rows},), got {tuple(weight.shape)}")
     values = weight.detach().to(dtype=compute_dtype(like.dtype), device=like.device)
     if torch.compiler.is_compiling():
         return values  # the values are data: under torch.compile they are trusted, like sizes=
     for bad, what in ((~torch.isfinite(values), "finite"), (values < 0, ">= 0")):
         if bool(bad.any()):
             index = int(torch.nonzero(bad)[0, 0])
-            raise ValueError(f"weight must be {what}, got weight[{index}] = {values[index].item()}")
+            raise ValueError(f"{name} must be {what}, got {name}[{index}] = {values[index].item()}")
     return values
 
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["SPARSE_AT_MOST", "SameKey", "same_key"]
+__all__ = ["SPARSE_AT_MOST", "SameKey", "key_pairs", "same_key"]
 
 SPARSE_AT_MOST = 1 / 16
 """The pairs are kept as indices when they are at most this fraction of the block's entries."""
@@ -97,18 +97,34 @@ def same_key(row_keys: Tensor, column_keys: Tensor, like: Tensor) -> SameKey:
     """
     rows, columns = like.shape
     if like.device.type == "cpu" and not torch.compiler.is_compiling() and rows and column_keys.numel():
-        ordered, order = column_keys.sort()
-        row_keys = row_keys.contiguous()  # (a column of the block that travelled with the features)
-        first = torch.searchsorted(ordered, row_keys, side="left")
-        counts = torch.searchsorted(ordered, row_keys, side="right") - first
-        total = int(counts.sum())
-        if total <= SPARSE_AT_MOST * rows * columns:
-            pair_rows = torch.repeat_interleave(torch.arange(rows), counts, output_size=total)
-            within = torch.arange(total) - (torch.cumsum(counts, 0) - counts)[pair_rows]
-            return SameKey(None, pair_rows, order[first[pair_rows] + within])
+        pairs = key_pairs(row_keys, column_keys, most=int(SPARSE_AT_MOST * rows * columns))
+        if pairs is not None:
+            return SameKey(None, *pairs)
     keyed = column_keys.shape[0]
     dense = like.new_empty(like.shape) if keyed == columns else like.new_zeros(like.shape)
     # Assigned, not written through out=: torch.compile refuses an out= it cannot prove contiguous (a column
     # slice; in ring mode, a block whose size is symbolic).
     dense[:, :keyed] = torch.eq(row_keys[:, None], column_keys[None, :])
     return SameKey(dense)
+
+
+def key_pairs(row_keys: Tensor, column_keys: Tensor, most: int | None = None) -> tuple[Tensor, Tensor] | None:
+    """``(P,)`` rows and ``(P,)`` columns of every pair with equal keys, found by sorting the columns' keys once.
+
+    ``None`` when there are more than ``most`` pairs. Reads their count on the host.
+
+    Example:
+        >>> key_pairs(torch.tensor([0, 1, 2]), torch.tensor([1, 0, 0]))
+        (tensor([0, 0, 1]), tensor([1, 2, 0]))
+    """
+    ordered, order = column_keys.sort(stable=True)
+    row_keys = row_keys.contiguous()  # (a column of the block that travelled with the features)
+    first = torch.searchsorted(ordered, row_keys, side="left")
+    counts = torch.searchsorted(ordered, row_keys, side="right") - first
+    total = int(counts.sum())
+    if most is not None and total > most:
+        return None
+    pair_rows = torch.repeat_interleave(torch.arange(row_keys.shape[0], device=row_keys.device), counts,
+                                        output_size=total)  # fmt: skip
+    within = torch.arange(total, device=row_keys.device) - (torch.cumsum(counts, 0) - counts)[pair_rows]
+    return pair_rows, order[first[pair_rows] + within]

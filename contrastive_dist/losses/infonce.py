@@ -10,6 +10,7 @@ from torch import Tensor
 
 from contrastive_dist._dist import GroupLike
 from contrastive_dist._validation import check_pair
+from contrastive_dist.losses._captions import begin_captions, caption_info_nce
 from contrastive_dist.losses._families import SOFTMAX
 from contrastive_dist.losses._frame import Common, begin
 from contrastive_dist.losses._module import HeldOptions
@@ -25,7 +26,8 @@ def info_nce(
     temperature: float = 0.07, symmetric: bool = True, chunk_size: int | None = None, group: GroupLike = None,
     sizes: Sequence[int] | None = None, negatives: Tensor | SharedNegatives | None = None, weight: Tensor | None = None,
     reduction: Reduction = "mean", communication: Communication = "gather", ids: Tensor | None = None,
-    same_id: SameId = "mask", negative_ids: Tensor | None = None,
+    same_id: SameId = "mask", negative_ids: Tensor | None = None, image_ids: Tensor | None = None,
+    text_ids: Tensor | None = None, text_weight: Tensor | None = None,
 ) -> Tensor:
     """CLIP loss of this rank's pairs against every rank's pairs; exact under data parallelism.
 
@@ -54,6 +56,15 @@ def info_nce(
     the extra negatives ids too (a mined negative that is a positive of its query is then masked, or
     counted as a positive); negatives without ids share none.
 
+    **Several texts per image** ([several captions][several-captions]). With ``image_ids`` and
+    ``text_ids`` a rank passes ``n_r`` images and ``m_r`` texts (any counts, 0 included); every pair
+    with equal ids over the global batch is a positive. With ``P_i = {t : text_id_t = image_id_i}``
+    and ``P_t = {i : image_id_i = text_id_t}``, ``ℓ_i = −(1/|P_i|) Σ_{t ∈ P_i} log softmax_t'(l_it')[t]``
+    over all ``M`` texts, ``ℓ_t`` likewise over all ``N`` images, and the loss is
+    ``½ (mean_i ℓ_i + mean_t ℓ_t)`` over the images and texts that have a positive (``weight`` and
+    ``text_weight`` weigh those means). ``reduction="none"`` returns the images' ``ℓ_i`` then the texts'
+    ``ℓ_t`` (0 without a positive). Not with ``ids``, ``negatives`` or under ``torch.compile`` on several ranks.
+
     **A row** of ``weight`` and ``reduction="none"`` ([weight][option-weight],
     [reduction][option-reduction]) is a pair: its loss ``ℓ_i`` is the mean of its two directions
     (its image→text term alone when ``symmetric=False``).
@@ -77,6 +88,9 @@ def info_nce(
         ids: one int64 id per local pair, or ``None`` ([ids][option-ids]).
         same_id: ``"mask"`` or ``"positive"``: what pairs with the same id are ([ids][option-ids]).
         negative_ids: ``(k_r,)`` (own) or ``(K,)`` (shared) int64 ids of ``negatives``, or ``None``.
+        image_ids: ``(n_r,)`` int64 global ids of the images: several texts per image (with ``text_ids``).
+        text_ids: ``(m_r,)`` int64 global ids of the texts; a text is a positive of every image of its id.
+        text_weight: ``(m_r,)`` one weight ≥ 0 per text, with ``image_ids`` / ``text_ids`` only.
 
     Returns:
         The global loss on every rank, its gradient this rank's share ([the contract][gradient-contract]),
@@ -109,6 +123,15 @@ def info_nce(
         torch.Size([])
 
     """
+    common = Common(operation="info_nce", logit_scale=logit_scale, temperature=temperature, chunk_size=chunk_size,
+                    group=group, sizes=sizes, weight=weight, reduction=reduction, communication=communication,
+                    ids=ids, same_id=same_id)
+    if image_ids is not None or text_ids is not None:  # several texts per image
+        refused = {"negatives": negatives, "negative_ids": negative_ids, "ids": ids}
+        captions = begin_captions(common, image_features, text_features, image_ids, text_ids, refused=refused,
+                                  options={"symmetric": symmetric}, text_weight=text_weight)
+        with full_precision(captions.own.images.device):
+            return caption_info_nce(captions, symmetric=symmetric)
     given = negatives is not None or negative_ids is not None  # extra columns (most calls have none)
 
     def own() -> _Inputs:
@@ -119,10 +142,7 @@ def info_nce(
 
     own_negatives = negatives if isinstance(negatives, Tensor) else None
     options = {"symmetric": symmetric, **(negatives_options(negatives, negative_ids) if given else {})}
-    call = begin(own, Common(operation="info_nce", logit_scale=logit_scale, temperature=temperature,
-                             chunk_size=chunk_size, group=group, sizes=sizes, weight=weight, reduction=reduction,
-                             communication=communication, ids=ids, same_id=same_id),
-                 inputs=(image_features, text_features, own_negatives, negative_ids), options=options,
+    call = begin(own, common, inputs=(image_features, text_features, own_negatives, negative_ids), options=options,
                  keyed=(negative_ids,), extra=0 if own_negatives is None else own_negatives.shape[0])  # fmt: skip
     images, texts, extra, extra_ids = call.own
     with full_precision(images.device):

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from contrastive_dist._dist import GroupLike
 from contrastive_dist._validation import check_pair
+from contrastive_dist.losses._captions import begin_captions, caption_siglip
 from contrastive_dist.losses._families import SIGMOID
 from contrastive_dist.losses._frame import Common, begin
 from contrastive_dist.losses._module import HeldOptions
@@ -23,7 +24,8 @@ def siglip(
     image_features: Tensor, text_features: Tensor, logit_scale: Tensor | float, logit_bias: Tensor | float, *,
     chunk_size: int | None = None, group: GroupLike = None, sizes: Sequence[int] | None = None,
     weight: Tensor | None = None, reduction: Reduction = "mean", communication: Communication = "gather",
-    ids: Tensor | None = None, same_id: SameId = "mask",
+    ids: Tensor | None = None, same_id: SameId = "mask", image_ids: Tensor | None = None,
+    text_ids: Tensor | None = None,
 ) -> Tensor:
     """Sigmoid loss of this rank's images against every rank's texts; exact under data parallelism.
 
@@ -42,6 +44,15 @@ def siglip(
     **Sample ids** ([ids][option-ids]). With ``same_id="mask"`` a pair ``(i, j)``, ``j ≠ i``, whose
     ids are equal is no term at all (neither a positive nor a negative); with ``same_id="positive"``
     every pair with equal ids is a positive: ``z_ij = +1``.
+
+    **Several texts per image** ([several captions][several-captions]): SigLIP+. With ``image_ids``
+    and ``text_ids`` a rank passes ``n_r`` images and ``m_r`` texts (any counts, 0 included); a pair with
+    equal ids over the global batch is a positive, weighted as siglip-kernel's SigLIP+ weighs it:
+    ``½ (1/k_i + 1/k'_j)`` (``k_i`` the texts with image ``i``'s id, ``k'_j`` the images with text ``j``'s),
+    every negative 1. An image row is ``Σ_j v_ij (softplus(s_ij) − s_ij y_ij)`` over all ``M`` texts and
+    the loss their mean over the ``N`` images (siglip-kernel divides by ``N·M``: its drop-ins in
+    ``contrastive_dist.compat.siglip_kernel``); with one text per image it is the loss above. Not with
+    ``ids`` or under ``torch.compile`` on several ranks.
 
     **A row** of ``weight`` and ``reduction="none"`` ([weight][option-weight],
     [reduction][option-reduction]) is an image row: its loss is ``ℓ_i = Σ_j softplus(−z_ij ·
@@ -62,6 +73,8 @@ def siglip(
         reduction: ``"mean"`` or ``"none"``, per-row losses ([reduction][option-reduction]).
         ids: one int64 id per local pair, or ``None`` ([ids][option-ids]).
         same_id: ``"mask"`` or ``"positive"``: what pairs with the same id are ([ids][option-ids]).
+        image_ids: ``(n_r,)`` int64 global ids of the images: several texts per image (with ``text_ids``).
+        text_ids: ``(m_r,)`` int64 global ids of the texts (``text_features`` then ``(m_r, D)``).
         communication: ``"gather"`` (only the texts are gathered) or ``"ring"`` (text blocks
             travel) ([communication][option-communication]).
 
@@ -88,15 +101,20 @@ def siglip(
         torch.Size([4])
 
     """
+    common = Common(operation="siglip", logit_scale=logit_scale, temperature=None, chunk_size=chunk_size,
+                    group=group, sizes=sizes, weight=weight, reduction=reduction, communication=communication,
+                    ids=ids, same_id=same_id)
+    if image_ids is not None or text_ids is not None:  # several texts per image: SigLIP+'s rows
+        captions = begin_captions(common, image_features, text_features, image_ids, text_ids, refused={"ids": ids},
+                                  options={}, bias=logit_bias)  # fmt: skip
+        with full_precision(captions.own.images.device):
+            return caption_siglip(captions)
 
     def own() -> _Inputs:
         images, texts = check_pair("image_features", image_features, "text_features", text_features)
         return _Inputs(images, texts, scalar_tensor("logit_bias", logit_bias, images))
 
-    call = begin(own, Common(operation="siglip", logit_scale=logit_scale, temperature=None, chunk_size=chunk_size,
-                             group=group, sizes=sizes, weight=weight, reduction=reduction,
-                             communication=communication, ids=ids, same_id=same_id),
-                 inputs=(image_features, text_features), options={}, scalars={"logit_bias": 2})  # fmt: skip
+    call = begin(own, common, inputs=(image_features, text_features), options={}, scalars={"logit_bias": 2})
     images, texts, bias = call.own
     with full_precision(images.device):
         keys = call.keys(call.ids)

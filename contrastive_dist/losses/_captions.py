@@ -1,0 +1,201 @@
+"""Several texts per image: ``n_r`` images against ``m_r`` texts a rank, positives from global ids.
+
+A rank holds any number of images and of texts (0 included, different on every rank); ``image_ids``
+and ``text_ids`` (int64, one meaning across the global batch) say which texts belong to which image:
+every image–text pair with equal ids is a positive. The texts' counts are the agreement's second
+count, so the texts are columns of a layout of their own (:attr:`~._frame.Call.second_layout`), in
+gather and ring mode alike. Both losses are written with the frame's primitive:
+
+* InfoNCE, each direction a masked log-sum-exp against its positives by key (the softmax family's row,
+  ``logsumexp_t l_it − mean_{t ∈ P_i} l_it``); a row without a positive has no term and is not
+  counted, so each direction's mean runs over the rows with one, a count only the ranks' sum gives.
+* SigLIP+ (siglip-kernel's multi-positive SigLIP): a positive pair's term weighs ``α/k_i + β/k'_j``
+  (``k_i`` the texts of image ``i``'s id, ``k'_j`` the images of text ``j``'s; ``α = β = ½``, or
+  ``(1, 0)`` for images only), every negative 1. For a positive pair both counts are those of the one
+  id, so the weight ``w_i`` is the row's: the row is ``w_i A_i + (1 − w_i) X_i``, with ``A_i`` the row
+  with its positives as positives and ``X_i`` the row without them (soft labels: with them as
+  negatives) — two calls of the sigmoid family's row, exact, no kernel of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from contrastive_dist._dist import GroupLike, is_distributed
+from contrastive_dist._validation import check_features
+from contrastive_dist.losses._families import SIGMOID, SOFTMAX
+from contrastive_dist.losses._frame import Call, Common, begin
+from contrastive_dist.losses._options import Communication, check_ids, check_weight, full_precision, scalar_tensor
+from contrastive_dist.losses._same_key import key_pairs
+from contrastive_dist.losses._targets import RowTargets
+from contrastive_dist.losses._transports import Columns, OneBlock
+
+__all__ = [
+    "Captions",
+    "begin_captions",
+    "caption_info_nce",
+    "caption_siglip",
+    "check_captions",
+    "count_in",
+    "plus_loss",
+    "refuse_beside_captions",
+]
+
+
+class Captions(NamedTuple):
+    """The checked inputs of a call with several texts per image (``text_weight``, ``bias``: if the loss has them)."""
+
+    images: Tensor
+    texts: Tensor
+    image_ids: Tensor
+    text_ids: Tensor
+    text_weight: Tensor | None = None
+    bias: Tensor | None = None
+
+
+def begin_captions(common: Common, images: object, texts: object, image_ids: object, text_ids: object, *,
+                   refused: Mapping[str, object], options: Mapping[str, object], text_weight: object = None,
+                   bias: object = None) -> Call[Captions]:  # fmt: skip
+    """:func:`~._frame.begin` for a call with several texts per image: the texts' counts are its second count.
+
+    ``refused``: the loss's options that do not go with ids of images and texts, as given; ``bias``: SigLIP's.
+    """
+
+    def own() -> Captions:
+        refuse_beside_captions(**refused)
+        if torch.compiler.is_compiling() and is_distributed(common.group):
+            raise ValueError("image_ids= and text_ids= under torch.compile: not supported (every rank's count "
+                             "of texts is exchanged, which is data-dependent)")
+        checked = check_captions(images, texts, image_ids, text_ids)
+        own_bias = None if bias is None else scalar_tensor("logit_bias", bias, checked.images)
+        weight = check_weight(text_weight, checked.texts.shape[0], checked.texts, "text_weight")
+        return checked._replace(text_weight=weight, bias=own_bias)
+
+    count = texts.shape[0] if isinstance(texts, Tensor) and texts.ndim == 2 else 0
+    agreed = {**options, "text_weight": text_weight is not None}
+    return begin(own, common, inputs=(images, texts, image_ids, text_ids, text_weight), options=agreed,
+                 keyed=(image_ids, text_ids), extra=count, scalars=None if bias is None else {"logit_bias": 5})
+
+
+def check_captions(images: object, texts: object, image_ids: object, text_ids: object) -> Captions:
+    """Check ``(n, D)`` images and ``(m, D)`` texts of one width and dtype, with one int64 id each."""
+    image_tensor, text_tensor = check_features("image_features", images), check_features("text_features", texts)
+    if image_tensor.shape[1] != text_tensor.shape[1] or image_tensor.dtype != text_tensor.dtype:
+        raise ValueError(
+            "image_features and text_features must share their width D and dtype, got "
+            f"{tuple(image_tensor.shape)} {image_tensor.dtype} and {tuple(text_tensor.shape)} {text_tensor.dtype}"
+        )
+    if image_ids is None or text_ids is None:
+        raise ValueError("image_ids= and text_ids= go together: give one id per image and one per text")
+    checked_image_ids = cast(Tensor, check_ids("image_ids", image_ids, image_tensor.shape[0], image_tensor))
+    checked_text_ids = cast(Tensor, check_ids("text_ids", text_ids, text_tensor.shape[0], text_tensor))
+    return Captions(image_tensor, text_tensor, checked_image_ids, checked_text_ids)
+
+
+def refuse_beside_captions(**options: object) -> None:
+    """A ``ValueError`` naming the first option given that does not go with ``image_ids=`` / ``text_ids=``."""
+    for name, value in options.items():
+        if value is not None and value is not False:
+            raise ValueError(f"{name}= does not go with image_ids= and text_ids= (positives by id)")
+
+
+def caption_info_nce(call: Call[Captions], *, symmetric: bool) -> Tensor:
+    """``½ (mean_i ℓ_i + mean_t ℓ_t)`` over the images and texts with a positive (``symmetric=False``: the first).
+
+    ``reduction="none"``: the images' ``ℓ_i`` then the texts' ``ℓ_t``, ``(n_r + m_r,)`` (0 without a positive).
+    """
+    images, texts, image_ids, text_ids, text_weight, _ = call.own
+    image_keys, text_keys = call.keys(image_ids), call.keys(text_ids)
+    directions = [(images, call.columns(texts, keys=text_keys, second=True), image_keys, call.weights)]
+    if symmetric:
+        directions.append((texts, call.columns(images, keys=image_keys), text_keys, text_weight))
+    if call.per_row:
+        return torch.cat([call.rows(SOFTMAX, rows, columns, RowTargets(keys=keys))[0]
+                          for rows, columns, keys, _ in directions])  # fmt: skip
+    means = []
+    for rows, columns, keys, weights in directions:
+        total, has_positive = call.weighted_sum(SOFTMAX, rows, columns, RowTargets(keys=keys), weights=weights)
+        counted = has_positive.to(total.dtype) if weights is None else has_positive * weights.to(total.dtype)
+        means.append(call.share(total, local_denominator=counted.sum()))
+    return means[0] if len(means) == 1 else 0.5 * (means[0] + means[1])
+
+
+def caption_siglip(call: Call[Captions], *, symmetric: bool = True, soft_label: bool = False,
+                   per_pair: bool = False) -> Tensor:
+    """The mean over images of SigLIP+'s rows (``per_pair``: over the ``N·M`` pairs, siglip-kernel's).
+
+    ``reduction="none"``: each image's row ``(n_r,)``.
+    """
+    images, texts, image_ids, text_ids, _, bias = call.own
+    image_keys = call.keys(image_ids)
+    columns = call.columns(texts, keys=call.keys(text_ids), second=True)
+    positive = _positive_weights(call, symmetric).to(call.scale.dtype)
+    weights = torch.ones_like(positive) if call.weights is None else call.weights.to(positive.dtype)
+    with_positives = RowTargets(keys=image_keys)
+    if isinstance(columns.transport, OneBlock):  # every text is here: the positive pairs' part directly
+        corrections = _positive_part(call, columns, positive, soft_label)
+        if call.per_row:
+            return call.rows(SIGMOID, images, columns, with_positives, bias=bias)[0] + corrections
+        total = call.weighted_sum(SIGMOID, images, columns, with_positives, bias=bias)[0] + corrections @ weights
+    else:  # the row as w·A + (1 − w)·X: two calls of the primitive (X: without positives, or all negatives)
+        without = RowTargets() if soft_label else RowTargets(keys=image_keys, key_rule="mask")
+        if call.per_row:
+            rows = [call.rows(SIGMOID, images, columns, targets, bias=bias)[0] for targets in (with_positives, without)]
+            return positive * rows[0] + (1 - positive) * rows[1]
+        parts = [call.weighted_sum(SIGMOID, images, columns, targets, weights=part * weights, bias=bias)[0]
+                 for targets, part in ((with_positives, positive), (without, 1 - positive))]  # fmt: skip
+        total = parts[0] + parts[1]
+    return call.share(total, per=sum(call.layout.extra_sizes) if per_pair else 1)
+
+
+def _positive_part(call: Call[Captions], columns: Columns, positive: Tensor, soft_label: bool) -> Tensor:
+    """``(n_r,)`` what SigLIP+'s weighting adds to each row's plain SigLIP row, from its positive pairs alone.
+
+    With ``w_i`` the row's positive weight: ``(w_i − 1) Σ_{j ∈ P_i} softplus(−s_ij)``; soft labels
+    ``(1 − w_i) Σ_{j ∈ P_i} s_ij``. Differentiable, through the gathered texts.
+    """
+    images, bias = call.own.images, cast(Tensor, call.own.bias)
+    pairs = key_pairs(cast(Tensor, call.keys(call.own.image_ids)), cast(Tensor, columns.keys))
+    assert pairs is not None
+    rows, texts = pairs
+    dtype = call.scale.dtype
+    logits = call.scale * (images[rows].to(dtype) * columns.features[texts].to(dtype)).sum(dim=1) + bias
+    terms = (1 - positive[rows]) * logits if soft_label else (positive[rows] - 1) * F.softplus(-logits)
+    return logits.new_zeros(images.shape[0]).index_add(0, rows, terms)
+
+
+def _positive_weights(call: Call[Captions], symmetric: bool) -> Tensor:
+    """``(n_r,)`` ``α/k_i + β/k'_i``: the weight of image ``i``'s positive pairs (its id's texts and images)."""
+    image_ids, text_ids = call.own.image_ids, call.own.text_ids
+    every_text, every_image = call.gathered(text_ids, second=True), call.gathered(image_ids)
+    texts_of, images_of = (count_in(image_ids, every) for every in (every_text, every_image))
+    share = (0.5, 0.5) if symmetric else (1.0, 0.0)
+    return share[0] / texts_of.clamp_min(1).double() + share[1] / images_of.clamp_min(1).double()
+
+
+def count_in(ids: Tensor, every: Tensor) -> Tensor:
+    """``(n,)`` how many entries of ``every`` equal each of ``ids`` (sorted once, not an ``n × M`` mask)."""
+    ordered = every.sort().values
+    return torch.searchsorted(ordered, ids, side="right") - torch.searchsorted(ordered, ids, side="left")
+
+
+
+def plus_loss(images: Tensor, texts: Tensor, logit_scale: Tensor, logit_bias: Tensor, image_ids: Tensor,
+              text_ids: Tensor, *, symmetric: bool, soft_label: bool, chunk_size: int | None,
+              communication: Communication, group: GroupLike) -> Tensor:  # fmt: skip
+    """siglip-kernel's SigLIP+ over the global batch: its mean over the ``N·M`` pairs (the drop-ins' loss).
+
+    Shape:
+        images: ``(n_r, D)``; texts: ``(m_r, D)``; image_ids: ``(n_r,)``; text_ids: ``(m_r,)``; output: ``()``.
+    """
+    common = Common(operation="siglip_plus", logit_scale=logit_scale, temperature=None, chunk_size=chunk_size,
+                    group=group, sizes=None, weight=None, reduction="mean", communication=communication)
+    call = begin_captions(common, images, texts, image_ids, text_ids, refused={}, bias=logit_bias,
+                          options={"symmetric": symmetric, "soft_label": soft_label})
+    with full_precision(call.own.images.device):
+        return caption_siglip(call, symmetric=symmetric, soft_label=soft_label, per_pair=True)

@@ -1,0 +1,247 @@
+"""Several texts per image (``image_ids=``, ``text_ids=``): InfoNCE and SigLIP+ against float64 loops.
+
+The references are written from the definitions (the issue's InfoNCE with positives from global ids;
+siglip-kernel 0.1.2's SigLIP+, ``fused_siglip_plus.py``: ``(1/(N·M)) Σ v·(softplus(s) − s·y)`` with
+``v = α/k_i + β/k'_j`` on positives and 1 elsewhere, or soft labels ``y = P·(α/k_i + β/k'_j)``), on the
+global batch, with loops where that is plainer. One process and 3 gloo ranks whose image and text
+counts differ from each other and between ranks (one rank has no images, another no texts), in both
+modes, chunked and whole, with weights and ``reduction="none"``: values and gradients within 1e-10.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from contrastive_dist import info_nce, siglip
+from contrastive_dist.compat.siglip_kernel import DistributedSigLIPLoss, DistributedSigLIPPlusLoss, SigLIPPlusLoss
+
+TOLERANCE = 1e-10
+IMAGES, TEXTS = (4, 0, 3), (5, 6, 0)  # per rank: images and texts, every count different
+
+
+def make_batch(seed: int, images: int, texts: int, dtype: torch.dtype = torch.float64) -> dict[str, Tensor]:
+    """A global batch: ids with several texts per image, images without a text, texts without an image."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "x": F.normalize(torch.randn(images, 6, generator=generator, dtype=torch.float64), dim=-1).to(dtype),
+        "y": F.normalize(torch.randn(texts, 6, generator=generator, dtype=torch.float64), dim=-1).to(dtype),
+        "image_ids": torch.randint(0, 5, (images,), generator=generator),
+        "text_ids": torch.randint(0, 6, (texts,), generator=generator),
+        "image_weight": torch.rand(images, generator=generator, dtype=torch.float64) + 0.5,
+        "text_weight": torch.rand(texts, generator=generator, dtype=torch.float64) + 0.5,
+    }
+
+
+def reference_info_nce(x: Tensor, y: Tensor, scale: Tensor, batch: dict[str, Tensor], *, symmetric: bool = True,
+                       weighted: bool = False, per_row: bool = False) -> Tensor:  # fmt: skip
+    """``½ (mean_i ℓ_i + mean_t ℓ_t)`` over the images and texts with a positive, a loop over anchors."""
+    logits = scale * x @ y.T
+    same = batch["image_ids"][:, None] == batch["text_ids"][None, :]
+    directions = [(logits, same, batch["image_weight"]), (logits.T, same.T, batch["text_weight"])][: 1 + symmetric]
+    rows, means = [], []
+    for matrix, positives, weights in directions:
+        losses, used = [], []
+        for anchor in range(matrix.shape[0]):
+            chosen = positives[anchor].nonzero().flatten()
+            log_softmax = torch.log_softmax(matrix[anchor], dim=0)
+            losses.append(-log_softmax[chosen].mean() if len(chosen) else matrix.new_zeros(()))
+            used.append(float(len(chosen) > 0) * (float(weights[anchor]) if weighted else 1.0))
+        rows.append(torch.stack(losses) if losses else matrix.new_zeros(0))
+        used_t = torch.tensor(used, dtype=matrix.dtype)
+        means.append((rows[-1] * used_t).sum() / used_t.sum())
+    if per_row:
+        return torch.cat(rows)
+    return means[0] if len(means) == 1 else 0.5 * (means[0] + means[1])
+
+
+def reference_siglip_plus(x: Tensor, y: Tensor, scale: Tensor, bias: Tensor, batch: dict[str, Tensor], *,
+                          symmetric: bool = True, soft_label: bool = False, weighted: bool = False,
+                          per_row: bool = False, per_pair: bool = False) -> Tensor:  # fmt: skip
+    """SigLIP+'s matrix of terms, summed per image; their mean over images (``per_pair``: over ``N·M``)."""
+    logits = scale * x @ y.T + bias
+    positive = (batch["image_ids"][:, None] == batch["text_ids"][None, :]).to(logits.dtype)
+    alpha, beta = (0.5, 0.5) if symmetric else (1.0, 0.0)
+    mix = alpha / positive.sum(1).clamp_min(1)[:, None] + beta / positive.sum(0).clamp_min(1)[None, :]
+    target = positive * mix if soft_label else positive
+    term_weight = torch.ones_like(positive) if soft_label else torch.where(positive > 0, mix, 1.0)
+    rows = (term_weight * (F.softplus(logits) - logits * target)).sum(1)
+    if per_row:
+        return rows
+    weights = batch["image_weight"] if weighted else torch.ones_like(rows)
+    mean = (rows * weights).sum() / weights.sum()
+    return mean / y.shape[0] if per_pair else mean
+
+
+def package_value(kind: str, x: Tensor, y: Tensor, scale: Tensor, bias: Tensor, batch: dict[str, Tensor],
+                  options: dict) -> Tensor:  # fmt: skip
+    """The package's call of ``kind`` on these rows (``batch``: this rank's ids and weights)."""
+    ids = {"image_ids": batch["image_ids"], "text_ids": batch["text_ids"]}
+    weighted = options.pop("weighted", False)
+    if kind == "info_nce":
+        weights = {"weight": batch["image_weight"], "text_weight": batch["text_weight"]} if weighted else {}
+        return info_nce(x, y, scale, **ids, **weights, **options)
+    if kind == "siglip":
+        return siglip(x, y, scale, bias, **ids, weight=batch["image_weight"] if weighted else None, **options)
+    plus = SigLIPPlusLoss(chunk_size=options.get("chunk_size") or 0, soft_label=options.get("soft_label", False))
+    criterion = plus if kind == "plus" else DistributedSigLIPPlusLoss(
+        soft_label=options.get("soft_label", False), strategy=options.get("communication", "ring"))
+    del criterion.logit_scale, criterion.logit_bias  # the learnt ones replaced by the leaves, for their gradients
+    criterion.logit_scale, criterion.logit_bias = scale.log(), bias
+    return criterion((x, y), batch["image_ids"], batch["text_ids"])["total_loss"]
+
+
+def reference_value(kind: str, x: Tensor, y: Tensor, scale: Tensor, bias: Tensor, batch: dict[str, Tensor],
+                    options: dict) -> Tensor:  # fmt: skip
+    per_row, weighted = options.get("reduction") == "none", options.get("weighted", False)
+    if kind == "info_nce":
+        return reference_info_nce(x, y, scale, batch, symmetric=options.get("symmetric", True), weighted=weighted,
+                                  per_row=per_row)  # fmt: skip
+    if kind == "siglip":
+        return reference_siglip_plus(x, y, scale, bias, batch, weighted=weighted, per_row=per_row)
+    unit = F.normalize(x, dim=-1), F.normalize(y, dim=-1)  # the drop-ins normalise, as siglip-kernel's do
+    return reference_siglip_plus(*unit, scale, bias, batch, soft_label=options.get("soft_label", False),
+                                 per_pair=True)  # fmt: skip
+
+
+CASES = [
+    *[("info_nce", {"communication": mode, "chunk_size": chunk, **extra}) for mode, chunk, extra in itertools.product(
+        ("gather", "ring"), (None, 2), ({}, {"weighted": True}, {"reduction": "none"}, {"symmetric": False}))],
+    *[("siglip", {"communication": mode, "chunk_size": chunk, **extra}) for mode, chunk, extra in itertools.product(
+        ("gather", "ring"), (None, 2), ({}, {"weighted": True}, {"reduction": "none"}))],
+    *[("plus", {"soft_label": soft}) for soft in (False, True)],
+    *[("distributed plus", {"communication": mode, "soft_label": soft})
+      for mode, soft in itertools.product(("gather", "ring"), (False, True))],
+]
+
+
+def _leaves(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    x, y = (batch[name].clone().requires_grad_() for name in ("x", "y"))
+    scale, bias = torch.tensor(4.0, dtype=x.dtype, requires_grad=True), torch.tensor(-1.5, dtype=x.dtype,
+                                                                                      requires_grad=True)
+    return x, y, scale, bias
+
+
+def _grads(value: Tensor, leaves: tuple[Tensor, ...], upstream: Tensor | None) -> list[Tensor]:
+    """The gradients of ``value`` (per-row values: of ``Σ upstream · value``) with respect to ``leaves``."""
+    grads = torch.autograd.grad(value.sum() if upstream is None else value @ upstream, leaves, allow_unused=True)
+    return [torch.zeros_like(leaf) if grad is None else grad for grad, leaf in zip(grads, leaves, strict=True)]
+
+
+def _slices(rank: int) -> tuple[slice, slice]:
+    """This rank's images and texts among the global batch's."""
+    return (slice(sum(IMAGES[:rank]), sum(IMAGES[: rank + 1])), slice(sum(TEXTS[:rank]), sum(TEXTS[: rank + 1])))
+
+
+def _local(batch: dict[str, Tensor], rank: int) -> dict[str, Tensor]:
+    images, texts = _slices(rank)
+    return {name: tensor[images if name in ("x", "image_ids", "image_weight") else texts]
+            for name, tensor in batch.items()}  # fmt: skip
+
+
+def _local_rows(rows: Tensor, kind: str, options: dict, rank: int) -> Tensor:
+    """This rank's per-row values among the global ones: its images' (InfoNCE: then its texts')."""
+    images, texts = _slices(rank)
+    if kind == "info_nce" and options.get("symmetric", True):
+        return torch.cat((rows[: sum(IMAGES)][images], rows[sum(IMAGES) :][texts]))
+    return rows[images]
+
+
+def errors_per_rank(rank: int, world_size: int, cases: list) -> list[tuple[str, float]]:
+    """Each case on this rank against the global float64 reference: the value; this rank's rows' gradients
+    against the reference's (times W for a mean: DDP averages them); the scale's and bias's summed over ranks."""
+    import torch.distributed as dist
+
+    results = []
+    for index, (kind, options) in enumerate(cases):
+        batch, per_row = make_batch(index, sum(IMAGES), sum(TEXTS)), options.get("reduction") == "none"
+        leaves = _leaves(batch)
+        expected = reference_value(kind, *leaves, batch, options)
+        upstream = torch.linspace(0.5, 1.5, expected.numel(), dtype=expected.dtype) if per_row else None
+        expected_grads = _grads(expected, leaves, upstream)
+        mine = _local(batch, rank)
+        local = _leaves(mine)
+        value = package_value(kind, *local, mine, dict(options))
+        grads = _grads(value, local, None if upstream is None else _local_rows(upstream, kind, options, rank))
+        factor = 1 if per_row else world_size
+        scalars = torch.stack(grads[2:])
+        dist.all_reduce(scalars)
+        own = _local({"x": expected_grads[0], "y": expected_grads[1]}, rank)
+        errors = [(value.detach() - (_local_rows(expected, kind, options, rank) if per_row else expected)).abs(),
+                  (grads[0] - factor * own["x"]).abs(), (grads[1] - factor * own["y"]).abs(),
+                  (scalars / factor - torch.stack(expected_grads[2:])).abs()]
+        results.append((f"{kind} {options}", max(float(error.max()) if error.numel() else 0.0 for error in errors)))
+    return results
+
+
+@pytest.mark.parametrize(("kind", "options"), CASES, ids=[f"{kind} {options}" for kind, options in CASES])
+def test_one_process_equals_the_loop_reference(kind: str, options: dict) -> None:
+    batch = make_batch(1, 7, 11)
+    leaves = _leaves(batch)
+    expected = reference_value(kind, *leaves, batch, options)
+    upstream = torch.linspace(0.5, 1.5, expected.numel(), dtype=expected.dtype) if expected.ndim else None
+    expected_grads = _grads(expected, leaves, upstream)
+    leaves = _leaves(batch)
+    value = package_value(kind, *leaves, batch, dict(options))
+    grads = _grads(value, leaves, upstream)
+    assert torch.allclose(value.detach(), expected.detach(), rtol=0, atol=TOLERANCE), (value, expected)
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        assert torch.allclose(grad, expected_grad, rtol=0, atol=TOLERANCE)
+
+
+def test_three_ranks_with_uneven_and_empty_counts_equal_one_process(pool) -> None:
+    for per_rank in zip(*pool(3).run(errors_per_rank, CASES, timeout=240), strict=True):
+        name = per_rank[0][0]
+        worst = max(error for _, error in per_rank)
+        assert worst <= TOLERANCE, f"{name}: {worst:.1e}"
+
+
+@pytest.mark.parametrize("kind", ["info_nce", "siglip"])
+def test_one_text_per_image_is_the_square_loss(kind: str) -> None:
+    batch = make_batch(2, 6, 6)
+    unique = torch.arange(6)
+    x, y, scale, bias = _leaves(batch)
+    if kind == "info_nce":
+        rectangular, square = info_nce(x, y, scale, image_ids=unique, text_ids=unique), info_nce(x, y, scale)
+    else:
+        rectangular = siglip(x, y, scale, bias, image_ids=unique, text_ids=unique)
+        square = siglip(x, y, scale, bias)
+    assert torch.allclose(rectangular, square, rtol=0, atol=1e-13)
+
+
+def test_float32_is_within_float32_bounds_of_float64() -> None:
+    batch64 = make_batch(3, 9, 20)
+    batch32 = {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in batch64.items()}
+    for kind in ("info_nce", "siglip"):
+        for mode in ("gather", "ring"):
+            values = [package_value(kind, *_leaves(batch), batch, {"communication": mode, "chunk_size": 4})
+                      for batch in (batch64, batch32)]  # fmt: skip
+            assert abs(values[0].item() - values[1].item()) <= 1e-5 * abs(values[0].item()), (kind, mode, values)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"image_ids": torch.arange(3)}, "go together"),
+        ({"image_ids": torch.arange(3), "text_ids": torch.arange(4), "ids": torch.arange(3)}, "ids= does not go"),
+        ({"image_ids": torch.arange(3), "text_ids": torch.arange(5)}, "text_ids must have one id per row"),
+        ({"image_ids": torch.arange(3).float(), "text_ids": torch.arange(4)}, "int64"),
+    ],
+)
+def test_a_wrong_call_says_what_was_expected(arguments: dict, message: str) -> None:
+    x, y = torch.randn(3, 4), torch.randn(4, 4)
+    with pytest.raises((ValueError, TypeError), match=message):
+        info_nce(x, y, **arguments)
+    with pytest.raises((ValueError, TypeError), match=message):
+        siglip(x, y, 10.0, -10.0, **arguments)
+
+
+def test_the_drop_in_for_siglip_kernels_plain_loss_is_the_square_loss_times_its_normalisation() -> None:
+    batch = make_batch(4, 5, 5)
+    x, y, scale, bias = _leaves(batch)
+    value = DistributedSigLIPLoss(strategy="gather")(x, y, scale, bias)
+    assert torch.allclose(value, siglip(x, y, scale, bias), rtol=0, atol=1e-13)
