@@ -26,6 +26,8 @@ torchrun (Lightning reads the torchelastic environment; devices and nodes follow
 Real data: ``--data csv:PATH`` (columns ``filepath``, ``title`` and, optionally, ``id``) or
 ``--data webdataset:PATH`` (``.tar`` shards as img2dataset writes them; ``--write-shards DIR``
 writes the shapes as shards to try it). Repeated captions: ``--caption-ids mask`` (see ``--help``).
+Several captions per image: ``--several-captions`` with a CSV that repeats an image's path or lists
+its captions as JSON in one cell.
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     data.add_argument("--csv-id-column", default="id", help="CSV column of pair ids (a label, a group): used as "
                       "the loss's ids= when the CSV has it; integers as they are, other values hashed")
     data.add_argument("--csv-separator", default=None, help="default: tab if the header has one, else comma")
+    data.add_argument("--several-captions", action="store_true", help="csv: rows that share an image path (or a "
+                      "caption cell holding a JSON list) train as one image with all of its captions, each a "
+                      "positive of its image alone (image_ids= and text_ids=); held-out recall stays per row")
     data.add_argument("--deterministic-data", action="store_true",
                       help="no random augmentation of CSV images (the generated shapes have none)")
     data.add_argument("--image-size", type=int, default=32, help="image side in pixels")
@@ -105,7 +110,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         with open(Path(location).expanduser()) as file:
             header = file.readline().strip()
         args.csv_ids = args.csv_id_column in header.split("\t" if "\t" in header else ",")
-    args.caption_ids = args.caption_ids or ("mask" if args.csv_ids else "none")
+    if args.several_captions and (kind != "csv" or args.caption_ids not in (None, "none")):
+        sys.exit("error: --several-captions takes --data csv:PATH, and its positives come from the images: "
+                 f"no --caption-ids (got --data {args.data!r}, --caption-ids {args.caption_ids})")
+    args.caption_ids = "none" if args.several_captions else args.caption_ids or ("mask" if args.csv_ids else "none")
     return args
 
 
@@ -126,6 +134,7 @@ from torchvision.transforms import v2
 
 from contrastive_dist import DistributedInfoNCE, all_gather_many, convert_sync_batchnorm, grad_cache
 from contrastive_dist.lightning import distributed_loader, step_sizes, streaming_loader
+from contrastive_dist.lightning.image_captions import CaptionsCollate, CsvImageCaptions, captions_by_image
 from contrastive_dist.lightning.image_text import CaptionCollate, CsvImageText, csv_rows, shard_stream, write_shards
 from contrastive_dist.lightning.report import report_run
 from contrastive_dist.lightning.retrieval import recall_by_chance, recall_by_id, retrieval_grid
@@ -159,8 +168,10 @@ def csv_data(location: str, args: argparse.Namespace) -> tuple[Dataset, Dataset]
         raise ValueError(f"{path} has {len(rows)} rows, but the last --val-size={args.val_size} are held out and "
                          "training needs at least one more: add rows or lower --val-size")
     train, held_out = transforms(args)
-    return CsvImageText(rows[: -args.val_size], path.parent, train), CsvImageText(rows[-args.val_size :],
-                                                                                  path.parent, held_out)
+    held_out_set = CsvImageText(rows[-args.val_size :], path.parent, held_out)
+    if args.several_captions:  # an image and all of its training captions a sample
+        return CsvImageCaptions(captions_by_image(rows[: -args.val_size]), path.parent, train), held_out_set
+    return CsvImageText(rows[: -args.val_size], path.parent, train), held_out_set
 
 
 def webdataset_data(location: str, args: argparse.Namespace) -> tuple[Any, list[tuple[Tensor, str, int]]]:
@@ -207,6 +218,7 @@ class CLIP(L.LightningModule):
         same_id = "positive" if args.caption_ids == "positive" else "mask"
         self.loss = DistributedInfoNCE(communication=args.communication, same_id=same_id)
         self.collate = CaptionCollate(args.context_length, id_field=2 if getattr(args, "csv_ids", False) else None)
+        self.train_collate = CaptionsCollate(args.context_length) if args.several_captions else self.collate
         self.top_k = (1, 5) if len(val_set) >= 5 else (1,)
         self.val_features: list[tuple[Tensor, Tensor, Tensor]] = []
 
@@ -218,7 +230,7 @@ class CLIP(L.LightningModule):
                                     collate_fn=self.collate, shuffle=not args.fixed_shard_order, seed=args.seed,
                                     num_workers=args.num_workers)
         return distributed_loader(self.train_set, self.trainer, batch_size=args.batch_size, seed=args.seed,
-                                  collate_fn=self.collate, num_workers=args.num_workers)
+                                  collate_fn=self.train_collate, num_workers=args.num_workers)
 
     def val_dataloader(self) -> Any:
         return distributed_loader(self.val_set, self.trainer, batch_size=self.args.batch_size, shuffle=False,
@@ -234,17 +246,22 @@ class CLIP(L.LightningModule):
         return self.encode_image(images), self.encode_text(tokens)
 
     def training_step(self, batch: tuple[Tensor, Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
-        images, tokens, ids, _ = batch  # the last step of an epoch may leave this rank 0 rows
-        sizes = step_sizes(self.trainer, batch_idx)
+        images, tokens, ids, text_ids = batch  # the last step of an epoch may leave this rank 0 rows
+        sizes = step_sizes(self.trainer, batch_idx)  # the images' (--several-captions: each has its own texts)
+        several = self.args.several_captions
         if self.args.grad_cache:  # --grad-cache M: each tower encodes M rows at a time, re-encoded in backward
             image = grad_cache(self.encode_image, images, mini_batch_size=self.args.grad_cache, sizes=sizes)
-            text = grad_cache(self.encode_text, tokens, mini_batch_size=self.args.grad_cache, sizes=sizes)
+            text = grad_cache(self.encode_text, tokens, mini_batch_size=self.args.grad_cache,
+                              sizes=None if several else sizes)
         else:
             image, text = self.encode(images, tokens)
         scale = self.logit_scale.clamp(max=math.log(100)).exp()  # CLIP's clamp, inside the graph
         # Every rank gets the single-process loss of the global batch (its gradient: this rank's share); with
         # --caption-ids, pairs that share an id, on any rank, are not each other's negatives.
-        loss = self.loss(image, text, scale, sizes=sizes, ids=None if self.args.caption_ids == "none" else ids)
+        # --several-captions: each caption a positive of its image alone, wherever either is.
+        pairs = {"image_ids": ids, "text_ids": text_ids} if several else {
+            "ids": None if self.args.caption_ids == "none" else ids}
+        loss = self.loss(image, text, scale, sizes=sizes, **pairs)
         self.log("train/loss", loss.detach(), prog_bar=True)  # the global loss as it is: no sync_dist needed
         self.log_dict({"train/logit_scale": scale.detach(), "train/samples": float(sum(sizes))}, rank_zero_only=True)
         return loss

@@ -190,7 +190,10 @@ class DistributedInfoNCE(HeldOptions):
 
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor | float | None = None, *,
                 sizes: Sequence[int] | None = None, negatives: Tensor | SharedNegatives | None = None,
-                weight: Tensor | None = None, ids: Tensor | None = None, negative_ids: Tensor | None = None) -> Tensor:
+                weight: Tensor | None = None, ids: Tensor | None = None, negative_ids: Tensor | None = None,
+                image_ids: Tensor | None = None, text_ids: Tensor | None = None,
+                text_weight: Tensor | None = None) -> Tensor:  # fmt: skip
         """Return the global loss, its gradient this rank's share (or the per-pair losses); see :func:`info_nce`."""
         return info_nce(image_features, text_features, logit_scale, sizes=sizes, negatives=negatives, weight=weight,
-                        ids=ids, negative_ids=negative_ids, **self.options())
+                        ids=ids, negative_ids=negative_ids, image_ids=image_ids, text_ids=text_ids,
+                        text_weight=text_weight, **self.options())  # fmt: skip

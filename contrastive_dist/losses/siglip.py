@@ -154,7 +154,8 @@ class SigLIPLoss(HeldOptions):
 
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor | float,
                 logit_bias: Tensor | float, *, sizes: Sequence[int] | None = None, weight: Tensor | None = None,
-                ids: Tensor | None = None) -> Tensor:
+                ids: Tensor | None = None, image_ids: Tensor | None = None,
+                text_ids: Tensor | None = None) -> Tensor:  # fmt: skip
         """Return the global loss, its gradient this rank's share (or the per-row losses); see :func:`siglip`."""
         return siglip(image_features, text_features, logit_scale, logit_bias, sizes=sizes, weight=weight, ids=ids,
-                      **self.options())
+                      image_ids=image_ids, text_ids=text_ids, **self.options())
