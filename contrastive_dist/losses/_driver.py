@@ -23,16 +23,16 @@ two products (:mod:`._visit`). The driver runs that once, for every loss, transp
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from contrastive_dist.losses import _tiles
+from contrastive_dist.losses._autograd import distinct_input, first_order_only, wanted_gradients
 from contrastive_dist.losses._epilogue import Eager, epilogue_for
 from contrastive_dist.losses._families import Family
-from contrastive_dist.losses._options import full_precision, upcast
+from contrastive_dist.losses._options import upcast
 from contrastive_dist.losses._targets import RowTargets
 from contrastive_dist.losses._transports import BLOCK_LOGITS, LOCAL, Columns, OneBlock, chunks
 from contrastive_dist.losses._visit import Grads, Kept, block_visits, gradients_of, states_of
@@ -73,7 +73,7 @@ def weighted_sum(queries: Tensor, keys: Tensor, scale: Tensor, bias: Tensor | No
         rows, columns, has = per_row(queries, keys, scale, bias, problem)
         total = rows + columns if problem.columns.own_losses is not None else rows
         return (total.sum() if weights is None else total @ weights), has
-    wanted, keys = _wanted(queries, keys, scale, bias), _distinct(keys, queries)
+    wanted, keys = wanted_gradients(queries, keys, scale, bias), distinct_input(keys, queries)
     return _Formed.apply(queries, keys, scale, bias, problem, weights, wanted)  # type: ignore[no-any-return]
 
 
@@ -81,41 +81,8 @@ def per_row(queries: Tensor, keys: Tensor, scale: Tensor, bias: Tensor | None,
             problem: Problem) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Each row's ``ℓ_i`` ``(n,)``, this rank's own columns' (symmetric; else empty), and whether each row has one."""
     problem = problem if problem.tiles is None else _tiles.taken(problem, queries, keys, bias)
-    wanted, keys = _wanted(queries, keys, scale, bias), _distinct(keys, queries)
+    wanted, keys = wanted_gradients(queries, keys, scale, bias), distinct_input(keys, queries)
     return _Recomputed.apply(queries, keys, scale, bias, problem, wanted)  # type: ignore[no-any-return]
-
-
-def _distinct(keys: Tensor, queries: Tensor) -> Tensor:
-    """``keys``, as a tensor of its own where it is ``queries`` (NT-Xent's ring: the rows are their own columns).
-
-    torch.compile cannot trace an autograd function given one tensor twice; a view is another input, and
-    autograd still adds both of its gradients into the one tensor.
-    """
-    return keys.view_as(keys) if keys is queries else keys
-
-
-def _wanted(*tensors: Tensor | None) -> tuple[bool, ...]:
-    """Which of ``tensors`` need a gradient (none under ``no_grad``): decided before the autograd function."""
-    return tuple(tensor is not None and torch.is_grad_enabled() and tensor.requires_grad for tensor in tensors)
-
-
-def _first_order_only(backward: Callable[..., tuple[Tensor | None, ...]]) -> Callable[..., tuple[Tensor | None, ...]]:
-    """A backward that raises under ``create_graph=True`` instead of being wrong, and runs with autocast off.
-
-    ``once_differentiable`` alone stays silent when the incoming gradient is a constant (the usual
-    ``grad(loss, x, create_graph=True)``): the second derivative would quietly miss this term.
-    """
-    once = torch.autograd.function.once_differentiable(backward)
-
-    @functools.wraps(backward)
-    def checked(ctx: Any, *grad_outputs: Any) -> tuple[Tensor | None, ...]:
-        if torch.is_grad_enabled():
-            raise RuntimeError("double backward (create_graph=True) through the contrastive losses' kernels is not "
-                               "supported: their gradients are formed block by block (once_differentiable)")
-        with full_precision(grad_outputs[0].device):  # inside autocast too: computed in forward's dtypes
-            return once(ctx, *grad_outputs)
-
-    return checked
 
 
 class _Formed(torch.autograd.Function):
@@ -137,7 +104,7 @@ class _Formed(torch.autograd.Function):
         return total, has
 
     @staticmethod
-    @_first_order_only
+    @first_order_only
     def backward(ctx: Any, grad_total: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         saved = zip(ctx.saved_tensors, ctx.dtypes, strict=True)  # the total's gradients, formed in forward
         return (*(None if grad is None else (grad * grad_total).to(dtype) for grad, dtype in saved), None, None, None)
@@ -156,7 +123,7 @@ class _Recomputed(torch.autograd.Function):
         return rows, columns, has
 
     @staticmethod
-    @_first_order_only
+    @first_order_only
     def backward(  # type: ignore[override]
         ctx: Any, row_grad: Tensor, column_grad: Tensor, _: Tensor
     ) -> tuple[Tensor | None, ...]:
@@ -212,8 +179,7 @@ class _Run:
         return [self.row_state, own]
 
     def has_positive(self) -> Tensor:
-        # A rank without rows takes plain zeros: derived from its empty state, these flags made its compiled
-        # graph hang (SupCon, shards (3, 0), tests/test_compile.py).
+        # No rows: plain zeros (derived from the empty state, they hung a compiled graph: SupCon, (3, 0)).
         if self.queries.shape[0] == 0:
             return torch.zeros(0, dtype=torch.bool, device=self.queries.device)
         return self.family.has_positive(self.row_state)
@@ -233,13 +199,8 @@ class _Run:
         return query_grad, key_grad if grads.want_key else None, scale_grad
 
     def new_key_grad(self, owner: int, after: Tensor | None = None) -> Tensor:
-        """A block's keys' gradient, zeros; in backward, ``after`` the upstream gradient.
-
-        The dependence on ``after`` (an empty sum: exactly zero) keeps the exchange of this gradient in a
-        compiled backward: on a rank without rows nothing else ties it to the upstream gradient, and AOT
-        autograd's partitioner moved that rank's collective into the forward graph, where the other ranks
-        did not run it (HCL, shards (3, 0), ``tests/test_compile.py``).
-        """
+        """A block's keys' gradient: zeros, and in backward an empty sum of ``after``, the upstream gradient."""
+        # (That dependence kept a rank without rows from having this exchange moved into a compiled forward: HCL.)
         rows = self.block_keys.shape[0] if owner < 0 else self.columns.counts[owner]
         zeros = self.scale.new_zeros((rows, self.keys.shape[1]))
         return zeros if after is None else zeros.add_(after[:0].sum().to(zeros.dtype))
