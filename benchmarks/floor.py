@@ -259,8 +259,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 continue
             seconds, floor_seconds = results[case]
             ratio = seconds / floor_seconds
-            base = gather[case._replace(ids=False, captions=1) if case._replace(ids=False, captions=1) in gather
-                          else case]  # an ids row compares with the same call without
+            base = gather.get(case._replace(ids=False, captions=1), gather[case])  # an ids row: the call without
             gather_ratio = base[0] / base[1]
             same_w = at_w["gather"].get(case)
             same_w_ratio = None if same_w is None else same_w[0] / same_w[1]

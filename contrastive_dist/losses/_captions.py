@@ -134,7 +134,8 @@ def caption_siglip(call: Call[Captions], *, symmetric: bool = True, soft_label: 
     images, texts, image_ids, text_ids, _, bias = call.own
     image_keys = call.keys(image_ids)
     columns = call.columns(texts, keys=call.keys(text_ids), second=True)
-    positive = _positive_weights(call, symmetric).to(call.scale.dtype)
+    gathered = columns.keys if isinstance(columns.transport, OneBlock) else None  # every text's key, here
+    positive = _positive_weights(call, symmetric, image_keys, gathered).to(call.scale.dtype)
     weights = torch.ones_like(positive) if call.weights is None else call.weights.to(positive.dtype)
     with_positives = RowTargets(keys=image_keys)
     if isinstance(columns.transport, OneBlock):  # every text is here: the positive pairs' part directly
@@ -169,11 +170,17 @@ def _positive_part(call: Call[Captions], columns: Columns, positive: Tensor, sof
     return logits.new_zeros(images.shape[0]).index_add(0, rows, terms)
 
 
-def _positive_weights(call: Call[Captions], symmetric: bool) -> Tensor:
-    """``(n_r,)`` ``α/k_i + β/k'_i``: the weight of image ``i``'s positive pairs (its id's texts and images)."""
-    image_ids, text_ids = call.own.image_ids, call.own.text_ids
-    every_text, every_image = call.gathered(text_ids, second=True), call.gathered(image_ids)
-    texts_of, images_of = (count_in(image_ids, every) for every in (every_text, every_image))
+def _positive_weights(call: Call[Captions], symmetric: bool, image_keys: Tensor | None,
+                      every_text: Tensor | None) -> Tensor:  # fmt: skip
+    """``(n_r,)`` ``α/k_i + β/k'_i``: the weight of image ``i``'s positive pairs (its id's texts and images).
+
+    ``every_text``: every rank's text keys where gather mode has them already (else gathered here).
+    """
+    keys = cast(Tensor, image_keys)
+    if every_text is None:
+        every_text = cast(Tensor, call.keys(call.gathered(call.own.text_ids, second=True)))
+    every_image = cast(Tensor, call.keys(call.gathered(call.own.image_ids)))
+    texts_of, images_of = (count_in(keys, every) for every in (every_text, every_image))
     share = (0.5, 0.5) if symmetric else (1.0, 0.0)
     return share[0] / texts_of.clamp_min(1).double() + share[1] / images_of.clamp_min(1).double()
 
