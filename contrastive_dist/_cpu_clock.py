@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 
-__all__ = ["Patience", "cpu_seconds"]
+__all__ = ["Patience", "cpu_seconds", "process_tree"]
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -33,6 +33,21 @@ def _stat(pid: int) -> list[str] | None:
 def _used(fields: list[str]) -> float:
     """CPU seconds of a process and of its children it has waited for (those that ended)."""
     return sum(int(value) for value in fields[11:15]) / _TICKS
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every live process descended from it (also those in sessions of their own, as torchrun's)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc/self") else ():
+        fields = _stat(int(entry)) if entry.isdigit() else None
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    tree, waiting = [], [root]
+    while waiting:
+        pid = waiting.pop()
+        tree.append(pid)
+        waiting.extend(children.get(pid, ()))
+    return tree
 
 
 def cpu_seconds(*, pids: Iterable[int] = (), session: int | None = None) -> float | None:

@@ -63,10 +63,10 @@ def check_pair(first_name: str, first: object, second_name: str, second: object)
     return first_tensor, second_tensor
 
 
-def sizes_problem(sizes: Sequence[int], world_size: int) -> Problem | None:
+def sizes_problem(sizes: Sequence[int], world_size: int, name: str = "sizes") -> Problem | None:
     """What is wrong with a caller's ``sizes=`` (one non-negative Python int per rank), or ``None``."""
     if isinstance(sizes, Tensor) or not all(isinstance(size, int) and size >= 0 for size in sizes):
-        return TypeError, f"sizes must be a sequence of non-negative Python ints, got {sizes!r}"
+        return TypeError, f"{name} must be a sequence of non-negative Python ints, got {sizes!r}"
     if len(sizes) != world_size:
-        return ValueError, f"sizes must have one entry per rank ({world_size}), got {len(sizes)}: {tuple(sizes)}"
+        return ValueError, f"{name} must have one entry per rank ({world_size}), got {len(sizes)}: {tuple(sizes)}"
     return None

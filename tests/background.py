@@ -40,7 +40,7 @@ from contrastive_dist._cpu_clock import Patience, cpu_seconds
 
 __all__ = [
     "AT_ONCE", "CAP_S", "CHECKS_VARIABLE", "NICE", "POOL_TIMEOUT_VARIABLE", "STALL_S", "Command", "advance",
-    "command", "left_out", "outcome", "queue", "report", "start", "stop_all", "workspace",
+    "command", "left_out", "outcome", "queue", "report", "running", "start", "stop_all", "workspace",
 ]  # fmt: skip
 
 AT_ONCE = 2
@@ -238,6 +238,11 @@ def _last_line(path: Path) -> str:
     except OSError:
         return ""
     return lines[-1].strip("= ") if lines else ""
+
+
+def running() -> list[int]:
+    """The process ids of the commands started (their processes, not the suite's)."""
+    return [declared.process.pid for declared in _COMMANDS.values() if declared.process is not None]
 
 
 def stop_all() -> None:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 
 import background
 import pytest
+import work_bounds
 
 from contrastive_dist.testing import WorkerPool
 
@@ -72,6 +73,24 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
                               "command):")
         for line in lines:
             terminalreporter.line(f"  {line}")
+
+
+def pytest_timeout_set_timer(item: pytest.Item, settings: object) -> bool | None:
+    """Each test's timeout follows its work, not the clock (tests/work_bounds.py); True: set here."""
+    cancel = work_bounds.start(item, float(getattr(settings, "timeout", 0) or 0), background.running)
+    if cancel is None:
+        return None  # pytest-timeout's own timer
+    item.cancel_work_bound = cancel  # type: ignore[attr-defined]
+    return True
+
+
+def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
+    cancel = getattr(item, "cancel_work_bound", None)
+    if cancel is None:
+        return None
+    del item.cancel_work_bound  # type: ignore[attr-defined]
+    cancel()
+    return True
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

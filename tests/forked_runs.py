@@ -17,11 +17,18 @@ A fork copies only the thread that calls it, so the server serves only while it 
 
 Request: ``{"script", "args"}`` or ``{"call": "module.function", "path", "args"}``, with ``"cwd"``,
 ``"env"``, ``"stdout"``, ``"stderr"``. Replies: ``{"pid"}`` at the start (the run leads its own
-process group, which a timeout kills), then ``{"returncode"}``.
+session, which a timeout kills), then ``{"returncode"}``.
+
+A run's ``timeout`` follows its work, not the clock (:class:`~contrastive_dist._cpu_clock.Patience`,
+over the run's process and every process descended from it, its ranks and their workers included): it
+ends the run when they have used ``timeout`` seconds of CPU time, or none for :data:`STALL_S` seconds (a hang), or at
+:data:`CLOCK_FACTOR` times ``timeout`` seconds of the clock. On a busy machine a run gets less of the
+CPU and takes longer; it is waited for. :func:`run_command` waits on any command the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
@@ -33,10 +40,18 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from contrastive_dist._cpu_clock import Patience, cpu_seconds, process_tree
+
 SERVER = Path(__file__).resolve()
+STALL_S = 180.0
+"""A run whose processes use no CPU time for this long is taken for hung."""
+CLOCK_FACTOR = 8.0
+"""A run is stopped at this many times its ``timeout`` in seconds of the clock, whatever it does."""
 
 
 def run(request: dict[str, Any]) -> None:
@@ -103,7 +118,11 @@ class ForkedRuns:
         self.replies: queue.Queue[dict[str, Any]] = queue.Queue()
         threading.Thread(target=lambda: [self.replies.put(json.loads(line)) for line in self.server.stdout or []],
                          daemon=True).start()
-        self.ready = bool(self.replies.get(timeout=120)["ready"])
+        # Its imports take seconds, minutes on a busy machine: waited for as long as it works.
+        patience = Patience(lambda: cpu_seconds(pids=[self.server.pid]), stall_s=STALL_S)
+        while self.replies.empty() and self.server.poll() is None and patience.over() is None:
+            time.sleep(0.2)
+        self.ready = not self.replies.empty() and bool(self.replies.get()["ready"])
 
     def script(self, command: list[str], *, cwd: Path, env: dict[str, str],
                timeout: float) -> subprocess.CompletedProcess[str]:
@@ -121,20 +140,56 @@ class ForkedRuns:
             out, err = Path(folder, "stdout"), Path(folder, "stderr")
             request = {**request, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
             if not self.ready:
-                code = subprocess.run([sys.executable, str(SERVER), "--run", json.dumps(request)], env=env,
-                                      timeout=timeout).returncode
+                process = subprocess.Popen([sys.executable, str(SERVER), "--run", json.dumps(request)], env=env)
+                code = wait_working(process.poll, process.pid, timeout, request, out, err)
                 return subprocess.CompletedProcess(request, code, out.read_text(), err.read_text())
             assert self.server.stdin is not None
             self.server.stdin.write(json.dumps(request) + "\n")
             self.server.stdin.flush()
-            pid = self.replies.get(timeout=60)["pid"]
-            try:
-                code = self.replies.get(timeout=timeout)["returncode"]
-            except queue.Empty:
-                os.killpg(pid, signal.SIGKILL)  # the run, its ranks and their workers
-                self.replies.get(timeout=60)
-                raise subprocess.TimeoutExpired(request, timeout, out.read_text(), err.read_text()) from None
+            pid = self.replies.get(timeout=STALL_S)["pid"]
+            code = wait_working(lambda: self._returncode(), pid, timeout, request, out, err)
             return subprocess.CompletedProcess(request, code, out.read_text(), err.read_text())
+
+    def _returncode(self) -> int | None:
+        try:
+            return int(self.replies.get_nowait()["returncode"])
+        except queue.Empty:
+            return None
+
+
+def wait_working(poll: Callable[[], int | None], pid: int, timeout: float, command: object, out: Path,
+                 err: Path) -> int:  # fmt: skip
+    """The exit code of the run ``pid``, waited for as long as it works (see the module docstring).
+
+    Raises:
+        subprocess.TimeoutExpired: the run hung or ran on too long; it is killed with every process it
+            started, and its output so far, with the reason, is in the exception.
+    """
+    patience = Patience(lambda: cpu_seconds(pids=process_tree(pid)), stall_s=STALL_S, budget_s=timeout,
+                        cap_s=CLOCK_FACTOR * timeout)
+    while (code := poll()) is None:
+        why = patience.over()
+        if why is not None:
+            for process in process_tree(pid):  # the run, its ranks (torchrun's in sessions of their own), workers
+                with contextlib.suppress(ProcessLookupError):  # it may have ended since
+                    os.kill(process, signal.SIGKILL)
+            while poll() is None:
+                time.sleep(0.1)
+            raise subprocess.TimeoutExpired(command, timeout, out.read_text(), f"{err.read_text()}\nstopped: {why}")
+        time.sleep(0.5)
+    return code
+
+
+def run_command(argv: list[str], *, cwd: Path, env: dict[str, str] | None = None,
+                timeout: float) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """``subprocess.run(argv, capture_output=True, text=True)`` in a session of its own, bounded by its work."""
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = Path(folder, "stdout"), Path(folder, "stderr")
+        with open(out, "w") as stdout, open(err, "w") as stderr:
+            process = subprocess.Popen(argv, cwd=cwd, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+                                       start_new_session=True)
+            code = wait_working(process.poll, process.pid, timeout, argv, out, err)
+        return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
 
 
 @functools.cache

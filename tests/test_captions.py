@@ -10,6 +10,7 @@ modes, chunked and whole, with weights and ``reduction="none"``: values and grad
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -79,7 +80,17 @@ def reference_siglip_plus(x: Tensor, y: Tensor, scale: Tensor, bias: Tensor, bat
 
 def package_value(kind: str, x: Tensor, y: Tensor, scale: Tensor, bias: Tensor, batch: dict[str, Tensor],
                   options: dict) -> Tensor:  # fmt: skip
-    """The package's call of ``kind`` on these rows (``batch``: this rank's ids and weights)."""
+    """The package's call of ``kind`` on these rows (``batch``: this rank's ids and weights).
+
+    ``options["compiled"]``: the call compiled whole (``fullgraph``), with every rank's counts given.
+    """
+    if options.pop("compiled", False):
+        import torch._dynamo
+
+        options |= {"sizes": IMAGES, "text_sizes": TEXTS}
+        torch._dynamo.reset()  # a fresh compilation, not a graph cached by the previous case
+        call = functools.partial(package_value, kind, batch=batch, options=options)
+        return torch.compile(call, fullgraph=True, backend="aot_eager")(x, y, scale, bias)
     ids = {"image_ids": batch["image_ids"], "text_ids": batch["text_ids"]}
     weighted = options.pop("weighted", False)
     if kind == "info_nce":
@@ -245,3 +256,34 @@ def test_the_drop_in_for_siglip_kernels_plain_loss_is_the_square_loss_times_its_
     x, y, scale, bias = _leaves(batch)
     value = DistributedSigLIPLoss(strategy="gather")(x, y, scale, bias)
     assert torch.allclose(value, siglip(x, y, scale, bias), rtol=0, atol=1e-13)
+
+
+def text_sizes_outcomes(rank: int, world_size: int) -> list[str]:
+    """This rank's outcome of calls with right and wrong ``text_sizes=`` (and text options without ids)."""
+    batch = _local(make_batch(3, sum(IMAGES), sum(TEXTS)), rank)
+    x, y, scale, bias = _leaves(batch)
+    ids = {"image_ids": batch["image_ids"], "text_ids": batch["text_ids"]}
+    calls = {
+        "right": lambda: info_nce(x, y, scale, **ids, sizes=IMAGES, text_sizes=TEXTS),
+        "wrong": lambda: siglip(x, y, scale, bias, **ids, text_sizes=(5, 5, 1)),
+        "without ids": lambda: info_nce(x, x, scale, text_sizes=IMAGES),
+        "text_weight without ids": lambda: info_nce(x, x, scale, text_weight=torch.ones(x.shape[0])),
+    }
+    outcomes = []
+    for name, call in calls.items():
+        try:
+            call()
+            outcomes.append(f"{name}: ok")
+        except ValueError as error:
+            outcomes.append(f"{name}: {error}")
+    return outcomes
+
+
+def test_text_sizes_are_checked_on_every_rank_and_text_options_need_ids(pool) -> None:
+    outcomes = pool(3).run(text_sizes_outcomes, timeout=120)
+    assert outcomes[0] == outcomes[1] == outcomes[2]  # the same error on every rank
+    right, wrong, without_ids, weight_without_ids = outcomes[0]
+    assert right == "right: ok"
+    assert "text_sizes=(5, 5, 1) was given, but the ranks hold (5, 6, 0) rows" in wrong, wrong
+    assert "text_sizes= goes with image_ids= and text_ids=" in without_ids, without_ids
+    assert "text_weight= goes with image_ids= and text_ids=" in weight_without_ids, weight_without_ids

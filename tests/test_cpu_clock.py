@@ -7,6 +7,7 @@ reason it gives, and a process that works within its budget is waited for.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -49,3 +50,38 @@ def test_cpu_seconds_counts_a_session_and_the_processes_given() -> None:
     mine = cpu_seconds(pids=[os.getpid()])
     assert mine is not None and mine > 0
     assert cpu_seconds(session=2**22 + 7) == 0.0  # no such session: nothing used
+
+
+INNER_TESTS = '''
+import time, pytest, work_bounds
+work_bounds.STALL_S, work_bounds.CLOCK_FACTOR, work_bounds.CHECK_EVERY_S = 2.0, 1000.0, 0.2
+
+@pytest.mark.timeout(1)
+def test_slow_but_working():  # 3 s of the clock against a declared 1 s, using CPU time all along
+    end = time.monotonic() + 3
+    while time.monotonic() < end:
+        pass
+
+@pytest.mark.timeout(100)
+def test_hung():
+    time.sleep(60)
+'''
+
+
+def test_a_test_timeout_follows_the_work_a_slow_test_passes_and_a_hung_one_fails_early(tmp_path) -> None:
+    # The suite's own conftest (tests/work_bounds.py through it) on two tests of a file of its own.
+    tests = os.path.dirname(os.path.abspath(__file__))
+    (tmp_path / "conftest.py").write_text(
+        f"import importlib.util, sys\nsys.path.insert(0, {tests!r})\n"
+        f"spec = importlib.util.spec_from_file_location('suite_conftest', {tests!r} + '/conftest.py')\n"
+        "suite = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(suite)\n"
+        "pytest_timeout_set_timer, pytest_timeout_cancel_timer = suite.pytest_timeout_set_timer, "
+        "suite.pytest_timeout_cancel_timer\n")
+    (tmp_path / "test_inner.py").write_text(INNER_TESTS)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                             "--durations=0", str(tmp_path / "test_inner.py")], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=240)
+    assert "1 failed, 1 passed" in result.stdout, result.stdout[-3000:]
+    assert "test_hung - Failed: Timeout: no CPU time used for" in result.stdout, result.stdout[-3000:]
+    hung = re.search(r"([0-9.]+)s call +test_inner.py::test_hung", result.stdout)
+    assert hung and float(hung.group(1)) < 50, result.stdout[-3000:]  # found at its stall, not the sleep's end

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from forked_runs import run_command
 
 pytest.importorskip("open_clip_train")
 pytest.importorskip("pandas")
@@ -64,8 +64,7 @@ def _train(data_dir: Path, tmp_path: Path, name: str, flags: list[str], processe
         "--epochs", "1", "--workers", "0", "--precision", "fp32", "--lr", "1e-3", "--warmup", "0",
         "--logs", str(tmp_path / "logs"), "--name", name, "--seed", "0", *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    result = subprocess.run([*launcher, *arguments], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = run_command([*launcher, *arguments], cwd=tmp_path, env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
 
 

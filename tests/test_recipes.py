@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from forked_runs import forked_runs
+from forked_runs import forked_runs, run_command
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 HOOKS = Path(__file__).resolve().parent / "recipe_hooks.py"
@@ -32,8 +32,7 @@ def run(recipe: str, *args: str, cwd: Path, env: dict[str, str] | None = None, t
     environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     command = [str(HOOKS), recipe.removesuffix(".py")] if hooks else [str(RECIPES / recipe)]
     if strategy == "ddp" or "--help" in args:
-        result = subprocess.run([sys.executable, *command, *args], cwd=cwd, env=environment, capture_output=True,
-                                text=True, timeout=timeout)
+        result = run_command([sys.executable, *command, *args], cwd=cwd, env=environment, timeout=timeout)
     else:
         result = forked_runs().script([*command, *args, "--strategy", strategy], cwd=cwd, env=environment,
                                       timeout=timeout)
@@ -262,8 +261,7 @@ def test_torchrun_recipe_resumes_mid_epoch_on_three_processes_to_the_weights_of_
     def torchrun(processes: int, *args: str) -> str:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
                    str(RECIPES / "clip_torchrun.py"), "--train-size", "49", "--lr", "0.5", *args]
-        result = subprocess.run(command, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                capture_output=True, text=True, timeout=150)
+        result = run_command(command, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=150)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
         return result.stdout
 
@@ -291,8 +289,7 @@ def test_torchrun_recipe_gives_each_run_a_folder_and_a_second_run_keeps_the_firs
     def torchrun(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                    str(RECIPES / "clip_torchrun.py"), "--train-size", "49", "--batch-size", "12", *args]
-        result = subprocess.run(command, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                capture_output=True, text=True, timeout=150)
+        result = run_command(command, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=150)
         assert result.returncode == 0 or not check, result.stdout[-2000:] + result.stderr[-4000:]
         return result
 

@@ -10,12 +10,12 @@ the run must train and report its held-out metrics; the README shows them beside
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from forked_runs import run_command
 from test_recipes import RECIPES, TINY_CLIP, TINY_SIMCLR, check_summary, floating_weights_close, metrics, run, weights
 
 # 33 samples, global batch 16 on 2 processes: steps of 16, 16, 1, the last split [1, 0] (an empty rank).
@@ -55,8 +55,7 @@ def torchrun(cwd: Path, *args: str) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                str(RECIPES / "clip_torchrun.py"), "--train-size", "33", "--lr", "0.5", "--batch-size", "8",
                "--max-steps", "5", *args]
-    result = subprocess.run(command, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                            text=True, timeout=150)
+    result = run_command(command, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=150)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return result.stdout
 

@@ -7,7 +7,7 @@ its input invalid; its row count (and a second count, e.g. its own negatives); a
 about its input that every rank needs (e.g. whether its keys are small integers); a digest of the
 dtype, trailing shape, device type and gradient tracking of every tensor it passes; a digest of the
 call's options (temperature, chunk size, communication, which optional tensors are passed, ...);
-a digest of the ``sizes=`` it was given; the number of this call among the rank's agreements on
+a digest of the ``sizes=`` (and ``text_sizes=``) it was given; the number of this call among the rank's agreements on
 the group; one float summed over the ranks (a weight total); and up to two scalar values that must
 be equal on every rank (a loss's ``logit_scale`` and ``logit_bias``). Every rank then holds the same
 table and either returns the same :class:`Layout` or raises the same ``ValueError``/``TypeError``,
@@ -25,7 +25,8 @@ flag computed from device data) are written into it on the device.
 
 Without a process group (or with one rank) nothing is exchanged and a problem is raised as it is.
 Under ``torch.compile`` nothing is exchanged either (the exchange is data-dependent): ``sizes=``
-must be given and is trusted, and a total is all-reduced with a traceable collective.
+(and a second count's ``text_sizes=``) must be given and are trusted, and a total is all-reduced
+with a traceable collective.
 
 ``CONTRASTIVE_DIST_DEBUG=1`` (in the spirit of ``TORCH_DISTRIBUTED_DEBUG``) makes
 :func:`~contrastive_dist.all_gather` verify caller-given ``sizes=`` with this exchange too, on
@@ -112,6 +113,7 @@ def agree(
     options: Mapping[str, object] | None = None,
     sizes: Sequence[int] | None = None,
     extra: int = 0,
+    extra_sizes: Sequence[int] | None = None,
     total: Tensor | None = None,
     flags: int | Tensor = 0,
     rows: int | None = None,
@@ -129,6 +131,7 @@ def agree(
         options: the call's options that must be the same on every rank (numbers, strings, flags).
         sizes: the caller's ``sizes=``, checked to be the same on every rank and equal to the rows.
         extra: this rank's second count (e.g. its own negatives).
+        extra_sizes: the caller's every-rank second counts (a loss's ``text_sizes=``), checked like ``sizes``.
         total: a 0-d tensor to sum over the ranks (e.g. a weight total), or ``None``.
         flags: bits this rank tells every rank (see :meth:`Layout.every_rank_has`); a 0-d int64
             tensor for bits computed on the device (read there only with one rank).
@@ -146,14 +149,17 @@ def agree(
     call = next_call(group) if exchanged else 0
     if problem is None and sizes is not None:
         problem = sizes_problem(sizes, world_size)
+    if problem is None and extra_sizes is not None:
+        problem = sizes_problem(extra_sizes, world_size, "text_sizes")
     if exchanged:
         problem = device_problem(tensors, group) or problem  # the root cause of whatever else failed
     if rows is None:
         rows = cast(Tensor, tensors[0]).shape[dim] if problem is None else 0
     if not exchanged:
-        layout = _agree_locally(problem, operation, rows, extra, sizes, total, group, world_size, rank)
+        layout = _agree_locally(problem, operation, rows, (extra, extra_sizes), sizes, total, group, world_size, rank)
         return layout._replace(flags=(int(flags),)) if world_size == 1 else layout
     named = dict(scalars or {}) if problem is None else {}
+    given = None if sizes is None and extra_sizes is None else (tuple(sizes or ()), tuple(extra_sizes or ()))
     everyone = _exchange(tensors, group, world_size, {
         "status": PROBLEM if problem is not None else OK,
         "rows": rows,
@@ -163,11 +169,11 @@ def agree(
         # The operation is part of the digest: a rank that calls another operation here (an empty rank
         # that skipped a call) is named as such, not as one with different options.
         "options": digest((operation, sorted((options or {}).items()), sorted(scalars or {}))),
-        "sizes": _NO_SIZES if sizes is None else digest(tuple(sizes)),
+        "sizes": _NO_SIZES if given is None else digest(given),
         "call": call,
     }, operation, total=None if problem is not None else total,
        flags=flags if isinstance(flags, Tensor) and problem is None else None, scalars=list(named.values()))
-    agreed_sizes = tuple(row.rows for row in everyone)
+    agreed_sizes, extra_counts = tuple(row.rows for row in everyone), tuple(row.extra for row in everyone)
     # Every rank decides alike: the same table everywhere, and equal digests mean equal given sizes.
     given_sizes = {row.sizes for row in everyone}
     valid = [row for row in everyone if row.status == OK]
@@ -176,20 +182,20 @@ def agree(
         "problem": len(valid) < len(everyone),
         "options": len({row.options for row in everyone}) > 1,
         "inputs": len({row.signature for row in everyone}) > 1,
-        "sizes": len(given_sizes) > 1 or (sizes is not None and tuple(sizes) != agreed_sizes),
+        "sizes": len(given_sizes) > 1 or (sizes is not None and tuple(sizes) != agreed_sizes)
+        or (extra_sizes is not None and tuple(extra_sizes) != extra_counts),
         "scalars": any(not row.same_scalars(valid[0]) for row in valid),
     }
     if mismatch["calls"]:
         resync_calls(group, max(row.call for row in everyone))  # in step again: the next call works
     if any(mismatch.values()):
-        raise_everywhere(tensors, problem, options, sizes, group, operation, mismatch, everyone, list(scalars or {}))
+        raise_everywhere(tensors, problem, options, given, group, operation, mismatch, everyone, list(scalars or {}))
     agreed_total = None
     if total is not None:
         summed = sum(row.total for row in everyone)
         agreed_total = torch.full((), summed, dtype=total.dtype, device=total.device)
-    extra_sizes = tuple(row.extra for row in everyone)
     agreed_flags = tuple(row.flags for row in everyone)
-    return Layout(rank, world_size, agreed_sizes, extra_sizes, agreed_total, group, agreed_flags)
+    return Layout(rank, world_size, agreed_sizes, extra_counts, agreed_total, group, agreed_flags)
 
 
 def _exchange(
@@ -216,26 +222,32 @@ def _agree_locally(
     problem: Problem | None,
     operation: str,
     rows: int,
-    extra: int,
+    extra: tuple[int, Sequence[int] | None],
     sizes: Sequence[int] | None,
     total: Tensor | None,
     group: ProcessGroup | None,
     world_size: int,
     rank: int,
 ) -> Layout:
-    """One rank, or under ``torch.compile``: nothing to exchange; given sizes are checked or trusted."""
+    """One rank, or under ``torch.compile``: nothing to exchange; given sizes are checked or trusted.
+
+    ``extra``: this rank's second count, and every rank's as the caller gave them (``text_sizes=``) or None.
+    """
+    count, extra_sizes = extra
     if problem is not None:
         raise problem[0](f"{operation}: {problem[1]}")
     if world_size == 1:
-        if sizes is not None and tuple(sizes) != (rows,):
-            raise ValueError(f"{operation}: sizes={tuple(sizes)} was given, but the input has {rows} rows")
-        return Layout(rank, 1, (rows,), (extra,), total, group)
+        for name, given, held in (("sizes", sizes, rows), ("text_sizes", extra_sizes, count)):
+            if given is not None and tuple(given) != (held,):
+                raise ValueError(f"{operation}: {name}={tuple(given)} was given, but the input has {held} rows")
+        return Layout(rank, 1, (rows,), (count,), total, group)
     if sizes is None:
         raise ValueError(f"{operation} under torch.compile needs sizes= (exchanging them is data-dependent)")
-    if extra:
+    if count and extra_sizes is None:
         raise ValueError(f"{operation} under torch.compile cannot exchange the count of this rank's own negatives")
     if total is not None:
         import torch.distributed._functional_collectives as funcol
 
         total = funcol.all_reduce(total, "sum", cast(ProcessGroup, group or dist.group.WORLD))
-    return Layout(rank, world_size, tuple(sizes), (0,) * world_size, total, group)
+    extra_counts = (0,) * world_size if extra_sizes is None else tuple(extra_sizes)
+    return Layout(rank, world_size, tuple(sizes), extra_counts, total, group)

@@ -34,17 +34,21 @@ def raise_everywhere(
     tensors: Sequence[object],
     problem: Problem | None,
     options: Mapping[str, object] | None,
-    sizes: Sequence[int] | None,
+    given: tuple[tuple[int, ...], tuple[int, ...]] | None,
     group: ProcessGroup | None,
     operation: str,
     mismatch: Mapping[str, bool],
     table: Sequence[Row],
     scalar_names: Sequence[str] = (),
 ) -> None:
-    """Every rank calls this together: share readable descriptions, raise the same error."""
+    """Every rank calls this together: share readable descriptions, raise the same error.
+
+    ``given``: the ``sizes=`` and ``text_sizes=`` this rank was given (``()`` for one not given), or None.
+    """
     described = describe(tensors)
     if mismatch["sizes"]:
-        described += f", sizes={tuple(sizes)}" if sizes is not None else ", no sizes="
+        described += ", no sizes=" if given is None else "".join(
+            f", {name}={sizes}" for name, sizes in zip(("sizes", "text_sizes"), given, strict=True) if sizes)
     mine = {
         "kind": problem[0].__name__ if problem else "",
         "text": problem[1] if problem else described,
@@ -54,7 +58,7 @@ def raise_everywhere(
     gathered: list[Any] = [None] * len(table)
     with naming_peers("agreement (exchange of the error descriptions)", group):
         dist.all_gather_object(gathered, mine, group=group)
-    kind, headline, lines = _explained(gathered, table, operation, mismatch, sizes, scalar_names)
+    kind, headline, lines = _explained(gathered, table, operation, mismatch, given, scalar_names)
     raise kind(headline + "\n" + "\n".join(lines))
 
 
@@ -63,7 +67,7 @@ def _explained(
     table: Sequence[Row],
     operation: str,
     mismatch: Mapping[str, bool],
-    sizes: Sequence[int] | None,
+    given_sizes: tuple[tuple[int, ...], tuple[int, ...]] | None,
     scalar_names: Sequence[str],
 ) -> tuple[type[Exception], str, list[str]]:
     failing = [rank for rank, entry in enumerate(gathered) if entry["kind"]]
@@ -100,10 +104,12 @@ def _explained(
             f"  rank {rank}: " + ", ".join(f"{name}={row.scalars[index]!r}" for index, name in differing)
             for rank, row in enumerate(table)]
     given = {row.sizes for row in table}
-    agreed = tuple(row.rows for row in table)
-    if mismatch["sizes"] and len(given) == 1 and sizes is not None:
-        return ValueError, (f"{operation}: sizes={tuple(sizes)} was given, but the ranks hold {agreed} rows. Inputs "
-                            "per rank:"), lines
+    if mismatch["sizes"] and len(given) == 1 and given_sizes is not None:
+        held = (tuple(row.rows for row in table), tuple(row.extra for row in table))
+        wrong = [(name, sizes, counts) for name, sizes, counts in zip(("sizes", "text_sizes"), given_sizes, held,
+                                                                     strict=True) if sizes and sizes != counts]
+        said = " and ".join(f"{name}={sizes} was given, but the ranks hold {counts}" for name, sizes, counts in wrong)
+        return ValueError, f"{operation}: {said} rows. Inputs per rank:", lines
     if mismatch["sizes"]:
         why = f" (checked because {DEBUG_VARIABLE}=1)" if operation == "all_gather" else ""
         return ValueError, (f"{operation}: sizes= must be given on every rank or on none, be the same sequence on "

@@ -186,7 +186,7 @@ class Call(Generic[Own]):
 
 
 def begin(check: Callable[[], Own], common: Common, *, inputs: Sequence[object], options: Mapping[str, object],
-          keyed: Sequence[object] = (), extra: int = 0, total: bool = True,
+          keyed: Sequence[object] = (), extra: int = 0, extra_sizes: Sequence[int] | None = None, total: bool = True,
           scalars: Mapping[str, int] | None = None) -> Call[Own]:  # fmt: skip
     """Check a call on this rank and agree on it with every rank; the same error everywhere if any rank's is wrong.
 
@@ -196,7 +196,8 @@ def begin(check: Callable[[], Own], common: Common, *, inputs: Sequence[object],
         inputs: the tensors every rank compares (rows counted from the first); ``None`` entries left out.
         options: the loss's own options that every rank must share.
         keyed: id-like tensors beside ``common.ids`` whose keys every rank must compare alike.
-        extra: this rank's second count (its own negatives).
+        extra: this rank's second count (its own negatives, its texts).
+        extra_sizes: every rank's second count, as the caller gave it (``text_sizes=``), or None.
         total: whether the weight total is agreed (a loss whose denominator only its blocks reveal: no).
         scalars: the loss's other scalars, by name: their index in ``check()``'s result (equal everywhere).
     """
@@ -237,6 +238,7 @@ def begin(check: Callable[[], Own], common: Common, *, inputs: Sequence[object],
     compared = None if result is None else {"logit_scale": result[1], **own_scalars}
     layout = agree([tensor for tensor in (*local_inputs, common.ids) if tensor is not None], problem=problem,
                    group=common.group, operation=common.operation, options=agreed, sizes=common.sizes, extra=extra,
+                   extra_sizes=extra_sizes,
                    total=weight_total, flags=flags, scalars=compared)  # fmt: skip
     assert result is not None  # the agreement raised otherwise
     own, scale, chunk, weights, ids = result

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from contrastive_dist._dist import GroupLike
 from contrastive_dist._validation import check_pair
-from contrastive_dist.losses._captions import begin_captions, caption_info_nce
+from contrastive_dist.losses._captions import begin_captions, caption_info_nce, refuse_without_captions
 from contrastive_dist.losses._families import SOFTMAX
 from contrastive_dist.losses._frame import Common, begin
 from contrastive_dist.losses._module import HeldOptions
@@ -27,7 +27,7 @@ def info_nce(
     sizes: Sequence[int] | None = None, negatives: Tensor | SharedNegatives | None = None, weight: Tensor | None = None,
     reduction: Reduction = "mean", communication: Communication = "gather", ids: Tensor | None = None,
     same_id: SameId = "mask", negative_ids: Tensor | None = None, image_ids: Tensor | None = None,
-    text_ids: Tensor | None = None, text_weight: Tensor | None = None,
+    text_ids: Tensor | None = None, text_weight: Tensor | None = None, text_sizes: Sequence[int] | None = None,
 ) -> Tensor:
     """CLIP loss of this rank's pairs against every rank's pairs; exact under data parallelism.
 
@@ -63,7 +63,8 @@ def info_nce(
     over all ``M`` texts, ``ℓ_t`` likewise over all ``N`` images, and the loss is
     ``½ (mean_i ℓ_i + mean_t ℓ_t)`` over the images and texts that have a positive (``weight`` and
     ``text_weight`` weigh those means). ``reduction="none"`` returns the images' ``ℓ_i`` then the texts'
-    ``ℓ_t`` (0 without a positive). Not with ``ids``, ``negatives`` or under ``torch.compile`` on several ranks.
+    ``ℓ_t`` (0 without a positive). Not with ``ids`` or ``negatives``; under ``torch.compile`` on several
+    ranks with ``sizes=`` (images) and ``text_sizes=`` (texts) given.
 
     **A row** of ``weight`` and ``reduction="none"`` ([weight][option-weight],
     [reduction][option-reduction]) is a pair: its loss ``ℓ_i`` is the mean of its two directions
@@ -91,6 +92,7 @@ def info_nce(
         image_ids: ``(n_r,)`` int64 global ids of the images: several texts per image (with ``text_ids``).
         text_ids: ``(m_r,)`` int64 global ids of the texts; a text is a positive of every image of its id.
         text_weight: ``(m_r,)`` one weight ≥ 0 per text, with ``image_ids`` / ``text_ids`` only.
+        text_sizes: every rank's text count, if known (with ``image_ids`` / ``text_ids``; like ``sizes``).
 
     Returns:
         The global loss on every rank, its gradient this rank's share ([the contract][gradient-contract]),
@@ -129,7 +131,7 @@ def info_nce(
     if image_ids is not None or text_ids is not None:  # several texts per image
         refused = {"negatives": negatives, "negative_ids": negative_ids, "ids": ids}
         captions = begin_captions(common, image_features, text_features, image_ids, text_ids, refused=refused,
-                                  options={"symmetric": symmetric}, text_weight=text_weight)
+                                  options={"symmetric": symmetric}, text_weight=text_weight, text_sizes=text_sizes)
         with full_precision(captions.own.images.device):
             return caption_info_nce(captions, symmetric=symmetric)
     given = negatives is not None or negative_ids is not None  # extra columns (most calls have none)
@@ -137,6 +139,7 @@ def info_nce(
     def own() -> _Inputs:
         images, texts = check_pair("image_features", image_features, "text_features", text_features)
         check_bool("symmetric", symmetric)
+        refuse_without_captions(text_weight=text_weight, text_sizes=text_sizes)
         extra = check_negatives(negatives, negative_ids, ids, texts) if given else (None, None)
         return _Inputs(images, texts, *extra)
 
@@ -192,8 +195,8 @@ class DistributedInfoNCE(HeldOptions):
                 sizes: Sequence[int] | None = None, negatives: Tensor | SharedNegatives | None = None,
                 weight: Tensor | None = None, ids: Tensor | None = None, negative_ids: Tensor | None = None,
                 image_ids: Tensor | None = None, text_ids: Tensor | None = None,
-                text_weight: Tensor | None = None) -> Tensor:  # fmt: skip
+                text_weight: Tensor | None = None, text_sizes: Sequence[int] | None = None) -> Tensor:  # fmt: skip
         """Return the global loss, its gradient this rank's share (or the per-pair losses); see :func:`info_nce`."""
         return info_nce(image_features, text_features, logit_scale, sizes=sizes, negatives=negatives, weight=weight,
                         ids=ids, negative_ids=negative_ids, image_ids=image_ids, text_ids=text_ids,
-                        text_weight=text_weight, **self.options())  # fmt: skip
+                        text_weight=text_weight, text_sizes=text_sizes, **self.options())  # fmt: skip

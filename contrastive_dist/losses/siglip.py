@@ -10,7 +10,7 @@ from torch import Tensor
 
 from contrastive_dist._dist import GroupLike
 from contrastive_dist._validation import check_pair
-from contrastive_dist.losses._captions import begin_captions, caption_siglip
+from contrastive_dist.losses._captions import begin_captions, caption_siglip, refuse_without_captions
 from contrastive_dist.losses._families import SIGMOID
 from contrastive_dist.losses._frame import Common, begin
 from contrastive_dist.losses._module import HeldOptions
@@ -25,7 +25,7 @@ def siglip(
     chunk_size: int | None = None, group: GroupLike = None, sizes: Sequence[int] | None = None,
     weight: Tensor | None = None, reduction: Reduction = "mean", communication: Communication = "gather",
     ids: Tensor | None = None, same_id: SameId = "mask", image_ids: Tensor | None = None,
-    text_ids: Tensor | None = None,
+    text_ids: Tensor | None = None, text_sizes: Sequence[int] | None = None,
 ) -> Tensor:
     """Sigmoid loss of this rank's images against every rank's texts; exact under data parallelism.
 
@@ -52,7 +52,7 @@ def siglip(
     every negative 1. An image row is ``Σ_j v_ij (softplus(s_ij) − s_ij y_ij)`` over all ``M`` texts and
     the loss their mean over the ``N`` images (siglip-kernel divides by ``N·M``: its drop-ins in
     ``contrastive_dist.compat.siglip_kernel``); with one text per image it is the loss above. Not with
-    ``ids`` or under ``torch.compile`` on several ranks.
+    ``ids``; under ``torch.compile`` on several ranks with ``sizes=`` and ``text_sizes=`` given.
 
     **A row** of ``weight`` and ``reduction="none"`` ([weight][option-weight],
     [reduction][option-reduction]) is an image row: its loss is ``ℓ_i = Σ_j softplus(−z_ij ·
@@ -75,6 +75,7 @@ def siglip(
         same_id: ``"mask"`` or ``"positive"``: what pairs with the same id are ([ids][option-ids]).
         image_ids: ``(n_r,)`` int64 global ids of the images: several texts per image (with ``text_ids``).
         text_ids: ``(m_r,)`` int64 global ids of the texts (``text_features`` then ``(m_r, D)``).
+        text_sizes: every rank's text count, if known (with ``image_ids`` / ``text_ids``; like ``sizes``).
         communication: ``"gather"`` (only the texts are gathered) or ``"ring"`` (text blocks
             travel) ([communication][option-communication]).
 
@@ -106,12 +107,13 @@ def siglip(
                     ids=ids, same_id=same_id)
     if image_ids is not None or text_ids is not None:  # several texts per image: SigLIP+'s rows
         captions = begin_captions(common, image_features, text_features, image_ids, text_ids, refused={"ids": ids},
-                                  options={}, bias=logit_bias)  # fmt: skip
+                                  options={}, bias=logit_bias, text_sizes=text_sizes)  # fmt: skip
         with full_precision(captions.own.images.device):
             return caption_siglip(captions)
 
     def own() -> _Inputs:
         images, texts = check_pair("image_features", image_features, "text_features", text_features)
+        refuse_without_captions(text_sizes=text_sizes)
         return _Inputs(images, texts, scalar_tensor("logit_bias", logit_bias, images))
 
     call = begin(own, common, inputs=(image_features, text_features), options={}, scalars={"logit_bias": 2})
@@ -155,7 +157,7 @@ class SigLIPLoss(HeldOptions):
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor | float,
                 logit_bias: Tensor | float, *, sizes: Sequence[int] | None = None, weight: Tensor | None = None,
                 ids: Tensor | None = None, image_ids: Tensor | None = None,
-                text_ids: Tensor | None = None) -> Tensor:  # fmt: skip
+                text_ids: Tensor | None = None, text_sizes: Sequence[int] | None = None) -> Tensor:  # fmt: skip
         """Return the global loss, its gradient this rank's share (or the per-row losses); see :func:`siglip`."""
         return siglip(image_features, text_features, logit_scale, logit_bias, sizes=sizes, weight=weight, ids=ids,
-                      image_ids=image_ids, text_ids=text_ids, **self.options())
+                      image_ids=image_ids, text_ids=text_ids, text_sizes=text_sizes, **self.options())
