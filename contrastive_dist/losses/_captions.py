@@ -121,8 +121,9 @@ def caption_info_nce(call: Call[Captions], *, symmetric: bool) -> Tensor:
     """
     if symmetric and call.common.communication == "ring" and call.layout.world_size > 1 and (
             torch.compiler.is_compiling()):
-        # Two rings, one per direction: with an empty rank the compiled backward does not order their hops
-        # alike on every rank (measured: a gloo size mismatch on 3 ranks), so it is refused, not risked.
+        # Two rings, one per direction: compiled, with a rank empty, a rank received a block of the texts' ring
+        # while in the images' (gloo: 240 vs 192 bytes, 3 ranks); tying the second after the first did not
+        # change it. Refused, not risked, until found.
         raise ValueError("info_nce with image_ids= and text_ids= under torch.compile on several ranks: both "
                          "directions need communication=\"gather\" (ring mode compiles with symmetric=False)")
     images, texts, image_ids, text_ids, text_weight, _ = call.own
