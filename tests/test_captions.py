@@ -82,12 +82,14 @@ def package_value(kind: str, x: Tensor, y: Tensor, scale: Tensor, bias: Tensor, 
                   options: dict) -> Tensor:  # fmt: skip
     """The package's call of ``kind`` on these rows (``batch``: this rank's ids and weights).
 
-    ``options["compiled"]``: the call compiled whole (``fullgraph``), with every rank's counts given.
+    ``options["compiled"]``: the call compiled whole (``fullgraph``), with every rank's counts given
+    (``options["counts"]``: images and texts per rank, default :data:`IMAGES`, :data:`TEXTS`).
     """
+    images, texts = options.pop("counts", (IMAGES, TEXTS))
     if options.pop("compiled", False):
         import torch._dynamo
 
-        options |= {"sizes": IMAGES, "text_sizes": TEXTS}
+        options |= {"sizes": images, "text_sizes": texts}
         torch._dynamo.reset()  # a fresh compilation, not a graph cached by the previous case
         call = functools.partial(package_value, kind, batch=batch, options=options)
         return torch.compile(call, fullgraph=True, backend="aot_eager")(x, y, scale, bias)
@@ -143,22 +145,23 @@ def _grads(value: Tensor, leaves: tuple[Tensor, ...], upstream: Tensor | None) -
     return [torch.zeros_like(leaf) if grad is None else grad for grad, leaf in zip(grads, leaves, strict=True)]
 
 
-def _slices(rank: int) -> tuple[slice, slice]:
-    """This rank's images and texts among the global batch's."""
-    return (slice(sum(IMAGES[:rank]), sum(IMAGES[: rank + 1])), slice(sum(TEXTS[:rank]), sum(TEXTS[: rank + 1])))
+def _slices(rank: int, counts: tuple = (IMAGES, TEXTS)) -> tuple[slice, slice]:
+    """This rank's images and texts among the global batch's (``counts``: each rank's images, texts)."""
+    images, texts = counts
+    return (slice(sum(images[:rank]), sum(images[: rank + 1])), slice(sum(texts[:rank]), sum(texts[: rank + 1])))
 
 
-def _local(batch: dict[str, Tensor], rank: int) -> dict[str, Tensor]:
-    images, texts = _slices(rank)
+def _local(batch: dict[str, Tensor], rank: int, counts: tuple = (IMAGES, TEXTS)) -> dict[str, Tensor]:
+    images, texts = _slices(rank, counts)
     return {name: tensor[images if name in ("x", "image_ids", "image_weight") else texts]
             for name, tensor in batch.items()}  # fmt: skip
 
 
-def _local_rows(rows: Tensor, kind: str, options: dict, rank: int) -> Tensor:
+def _local_rows(rows: Tensor, kind: str, options: dict, rank: int, counts: tuple = (IMAGES, TEXTS)) -> Tensor:
     """This rank's per-row values among the global ones: its images' (InfoNCE: then its texts')."""
-    images, texts = _slices(rank)
+    images, texts = _slices(rank, counts)
     if kind == "info_nce" and options.get("symmetric", True):
-        return torch.cat((rows[: sum(IMAGES)][images], rows[sum(IMAGES) :][texts]))
+        return torch.cat((rows[: sum(counts[0])][images], rows[sum(counts[0]) :][texts]))
     return rows[images]
 
 
@@ -169,20 +172,22 @@ def errors_per_rank(rank: int, world_size: int, cases: list) -> list[tuple[str, 
 
     results = []
     for index, (kind, options) in enumerate(cases):
-        batch, per_row = make_batch(index, sum(IMAGES), sum(TEXTS)), options.get("reduction") == "none"
+        counts = options.get("counts", (IMAGES, TEXTS))
+        batch, per_row = make_batch(index, sum(counts[0]), sum(counts[1])), options.get("reduction") == "none"
         leaves = _leaves(batch)
         expected = reference_value(kind, *leaves, batch, options)
         upstream = torch.linspace(0.5, 1.5, expected.numel(), dtype=expected.dtype) if per_row else None
         expected_grads = _grads(expected, leaves, upstream)
-        mine = _local(batch, rank)
+        mine = _local(batch, rank, counts)
         local = _leaves(mine)
         value = package_value(kind, *local, mine, dict(options))
-        grads = _grads(value, local, None if upstream is None else _local_rows(upstream, kind, options, rank))
+        grads = _grads(value, local, None if upstream is None else _local_rows(upstream, kind, options, rank, counts))
         factor = 1 if per_row else world_size
         scalars = torch.stack(grads[2:])
         dist.all_reduce(scalars)
-        own = _local({"x": expected_grads[0], "y": expected_grads[1]}, rank)
-        errors = [(value.detach() - (_local_rows(expected, kind, options, rank) if per_row else expected)).abs(),
+        own = _local({"x": expected_grads[0], "y": expected_grads[1]}, rank, counts)
+        wanted = _local_rows(expected, kind, options, rank, counts) if per_row else expected
+        errors = [(value.detach() - wanted).abs(),
                   (grads[0] - factor * own["x"]).abs(), (grads[1] - factor * own["y"]).abs(),
                   (scalars / factor - torch.stack(expected_grads[2:])).abs()]
         results.append((f"{kind} {options}", max(float(error.max()) if error.numel() else 0.0 for error in errors)))
