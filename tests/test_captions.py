@@ -3,9 +3,11 @@
 The references are written from the definitions (the issue's InfoNCE with positives from global ids;
 siglip-kernel 0.1.2's SigLIP+, ``fused_siglip_plus.py``: ``(1/(N·M)) Σ v·(softplus(s) − s·y)`` with
 ``v = α/k_i + β/k'_j`` on positives and 1 elsewhere, or soft labels ``y = P·(α/k_i + β/k'_j)``), on the
-global batch, with loops where that is plainer. One process and 3 gloo ranks whose image and text
-counts differ from each other and between ranks (one rank has no images, another no texts), in both
-modes, chunked and whole, with weights and ``reduction="none"``: values and gradients within 1e-10.
+global batch, with loops where that is plainer; SigLIP+'s weights and per-row losses by its two
+directions (each anchor's ``1/k`` over its positives, every negative 1), whose sum over ``N`` is the
+matrix's. One process and 3 gloo ranks whose image and text counts differ from each other and between
+ranks (one rank has no images, another no texts), in both modes, chunked and whole, with weights and
+``reduction="none"``: values and gradients within 1e-10.
 """
 
 from __future__ import annotations
@@ -61,21 +63,43 @@ def reference_info_nce(x: Tensor, y: Tensor, scale: Tensor, batch: dict[str, Ten
 
 
 def reference_siglip_plus(x: Tensor, y: Tensor, scale: Tensor, bias: Tensor, batch: dict[str, Tensor], *,
-                          symmetric: bool = True, soft_label: bool = False, weighted: bool = False,
+                          symmetric: bool = True, soft_label: bool = False, weighted: bool | str = False,
                           per_row: bool = False, per_pair: bool = False) -> Tensor:  # fmt: skip
-    """SigLIP+'s matrix of terms, summed per image; their mean over images (``per_pair``: over ``N·M``)."""
+    """SigLIP+'s matrix of terms summed, over ``N`` images (``per_pair``: over ``N·M``); weighted or per
+    row: by its directions (:func:`reference_siglip_plus_directions`)."""
     logits = scale * x @ y.T + bias
     positive = (batch["image_ids"][:, None] == batch["text_ids"][None, :]).to(logits.dtype)
+    if weighted or per_row:
+        return reference_siglip_plus_directions(logits, positive, batch, weighted=weighted, per_row=per_row)
     alpha, beta = (0.5, 0.5) if symmetric else (1.0, 0.0)
     mix = alpha / positive.sum(1).clamp_min(1)[:, None] + beta / positive.sum(0).clamp_min(1)[None, :]
     target = positive * mix if soft_label else positive
     term_weight = torch.ones_like(positive) if soft_label else torch.where(positive > 0, mix, 1.0)
-    rows = (term_weight * (F.softplus(logits) - logits * target)).sum(1)
-    if per_row:
-        return rows
-    weights = batch["image_weight"] if weighted else torch.ones_like(rows)
-    mean = (rows * weights).sum() / weights.sum()
+    mean = (term_weight * (F.softplus(logits) - logits * target)).sum() / x.shape[0]
     return mean / y.shape[0] if per_pair else mean
+
+
+def reference_siglip_plus_directions(logits: Tensor, positive: Tensor, batch: dict[str, Tensor], *,
+                                     weighted: bool | str, per_row: bool) -> Tensor:  # fmt: skip
+    """Image ``i``'s ``ℓ_i = Σ_t [P_it/k_i softplus(−s_it) + (1 − P_it) softplus(s_it)]``, text ``t``'s the same
+    over the images with ``1/k'_t``; per row both, else ``½ (Σ w ℓ_i / Σ w + (M/N) Σ u ℓ_t / Σ u)``
+    (``weighted="images"``: the texts' weights 1). A loop over anchors."""
+    directions = []
+    for matrix, positives in ((logits, positive), (logits.T, positive.T)):
+        rows = []
+        for anchor in range(matrix.shape[0]):
+            k = positives[anchor].sum().clamp_min(1)
+            pairs = torch.where(positives[anchor] > 0, F.softplus(-matrix[anchor]) / k, F.softplus(matrix[anchor]))
+            rows.append(pairs.sum())
+        directions.append(torch.stack(rows) if rows else matrix.new_zeros(0))
+    if per_row:
+        return torch.cat(directions)
+    images, texts = logits.shape
+    image_weight = batch["image_weight"] if weighted else torch.ones(images, dtype=logits.dtype)
+    text_weight = batch["text_weight"] if weighted is True else torch.ones(texts, dtype=logits.dtype)
+    image_mean = (directions[0] * image_weight).sum() / image_weight.sum()
+    text_mean = (directions[1] * text_weight).sum() / text_weight.sum()
+    return 0.5 * (image_mean + text_mean * texts / images)
 
 
 def package_value(kind: str, x: Tensor, y: Tensor, scale: Tensor, bias: Tensor, batch: dict[str, Tensor],
@@ -94,12 +118,13 @@ def package_value(kind: str, x: Tensor, y: Tensor, scale: Tensor, bias: Tensor, 
         call = functools.partial(package_value, kind, batch=batch, options=options)
         return torch.compile(call, fullgraph=True, backend="aot_eager")(x, y, scale, bias)
     ids = {"image_ids": batch["image_ids"], "text_ids": batch["text_ids"]}
-    weighted = options.pop("weighted", False)
+    weighted = options.pop("weighted", False)  # True: images and texts; "images": the images only
+    weights = {"weight": batch["image_weight"]} if weighted else {}
+    weights |= {"text_weight": batch["text_weight"]} if weighted is True else {}
     if kind == "info_nce":
-        weights = {"weight": batch["image_weight"], "text_weight": batch["text_weight"]} if weighted else {}
         return info_nce(x, y, scale, **ids, **weights, **options)
     if kind == "siglip":
-        return siglip(x, y, scale, bias, **ids, weight=batch["image_weight"] if weighted else None, **options)
+        return siglip(x, y, scale, bias, **ids, **weights, **options)
     plus = SigLIPPlusLoss(chunk_size=options.get("chunk_size") or 0, soft_label=options.get("soft_label", False))
     criterion = plus if kind == "plus" else DistributedSigLIPPlusLoss(
         soft_label=options.get("soft_label", False), strategy=options.get("communication", "ring"))
@@ -125,7 +150,7 @@ CASES = [
     *[("info_nce", {"communication": mode, "chunk_size": chunk, **extra}) for mode, chunk, extra in itertools.product(
         ("gather", "ring"), (None, 2), ({}, {"weighted": True}, {"reduction": "none"}, {"symmetric": False}))],
     *[("siglip", {"communication": mode, "chunk_size": chunk, **extra}) for mode, chunk, extra in itertools.product(
-        ("gather", "ring"), (None, 2), ({}, {"weighted": True}, {"reduction": "none"}))],
+        ("gather", "ring"), (None, 2), ({}, {"weighted": True}, {"weighted": "images"}, {"reduction": "none"}))],
     *[("plus", {"soft_label": soft}) for soft in (False, True)],
     *[("distributed plus", {"communication": mode, "soft_label": soft})
       for mode, soft in itertools.product(("gather", "ring"), (False, True))],
@@ -160,7 +185,7 @@ def _local(batch: dict[str, Tensor], rank: int, counts: tuple = (IMAGES, TEXTS))
 def _local_rows(rows: Tensor, kind: str, options: dict, rank: int, counts: tuple = (IMAGES, TEXTS)) -> Tensor:
     """This rank's per-row values among the global ones: its images' (InfoNCE: then its texts')."""
     images, texts = _slices(rank, counts)
-    if kind == "info_nce" and options.get("symmetric", True):
+    if kind in ("info_nce", "siglip") and options.get("symmetric", True):
         return torch.cat((rows[: sum(counts[0])][images], rows[sum(counts[0]) :][texts]))
     return rows[images]
 
@@ -229,14 +254,28 @@ def test_one_text_per_image_is_the_square_loss(kind: str) -> None:
     assert torch.allclose(rectangular, square, rtol=0, atol=1e-13)
 
 
+def test_siglip_plus_by_its_directions_is_its_matrix_of_terms() -> None:
+    """The two references are one loss: the directions' rows over 2N are the matrix's; equal weights change nothing."""
+    batch = make_batch(5, 7, 11)
+    x, y, scale, bias = _leaves(batch)
+    matrix = reference_siglip_plus(x, y, scale, bias, batch)
+    rows = reference_siglip_plus(x, y, scale, bias, batch, per_row=True)
+    assert rows.shape == (7 + 11,)
+    assert torch.allclose(rows.sum() / (2 * 7), matrix, rtol=0, atol=1e-13)
+    unit = batch | {"image_weight": torch.full((7,), 3.0, dtype=x.dtype), "text_weight": torch.full((11,), 0.5)}
+    assert torch.allclose(reference_siglip_plus(x, y, scale, bias, unit, weighted=True), matrix, rtol=0, atol=1e-13)
+
+
 def test_float32_is_within_float32_bounds_of_float64() -> None:
     batch64 = make_batch(3, 9, 20)
     batch32 = {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in batch64.items()}
-    for kind in ("info_nce", "siglip"):
-        for mode in ("gather", "ring"):
-            values = [package_value(kind, *_leaves(batch), batch, {"communication": mode, "chunk_size": 4})
-                      for batch in (batch64, batch32)]  # fmt: skip
-            assert abs(values[0].item() - values[1].item()) <= 1e-5 * abs(values[0].item()), (kind, mode, values)
+    for kind, mode, extra in itertools.product(("info_nce", "siglip"), ("gather", "ring"),
+                                               ({}, {"weighted": True}, {"reduction": "none"})):  # fmt: skip
+        options = {"communication": mode, "chunk_size": 4, **extra}
+        values = [package_value(kind, *_leaves(batch), batch, dict(options)).detach().double()
+                  for batch in (batch64, batch32)]  # fmt: skip
+        worst = float((values[0] - values[1]).abs().max())
+        assert worst <= 1e-5 * float(values[0].abs().max()), (kind, options, worst)
 
 
 @pytest.mark.parametrize(

@@ -179,6 +179,7 @@ def test_every_loss_compiles_with_fullgraph_and_equals_eager(pool: Callable[[int
 CAPTION_CASES = [
     *[(kind, {"communication": "gather", "compiled": True, "chunk_size": 2, "weighted": True})
       for kind in ("info_nce", "siglip")],
+    ("siglip", {"communication": "gather", "compiled": True, "weighted": "images"}),  # one pass, weighted rows
     # Ring mode needs every rank's images and texts under compile (an empty rank is refused, below).
     *[(kind, {"communication": "ring", "compiled": True, "reduction": "none", "counts": ((3, 1, 2), (2, 4, 1))})
       for kind in ("info_nce", "siglip")],

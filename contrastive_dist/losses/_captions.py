@@ -144,62 +144,115 @@ def caption_info_nce(call: Call[Captions], *, symmetric: bool) -> Tensor:
 
 def caption_siglip(call: Call[Captions], *, symmetric: bool = True, soft_label: bool = False,
                    per_pair: bool = False) -> Tensor:
-    """The mean over images of SigLIP+'s rows (``per_pair``: over the ``N·M`` pairs, siglip-kernel's).
+    """SigLIP+'s loss: its pairs' terms summed, over ``N`` (``per_pair``: over ``N·M``, siglip-kernel's).
 
-    ``reduction="none"``: each image's row ``(n_r,)``.
+    ``symmetric``: ``½ (the images' direction + the texts')``, else the images' alone. Without ``text_weight``
+    and per-row losses, one pass over the image rows (both directions' weights are then a row's); else each
+    direction its own pass (:func:`_plus_rows` with the texts as rows). ``reduction="none"``: the images'
+    ``ℓ_i`` then the texts' ``ℓ_t``, ``(n_r + m_r,)``.
     """
-    images, texts, image_ids, text_ids, _, bias = call.own
-    image_keys = call.keys(image_ids)
-    columns = call.columns(texts, keys=call.keys(text_ids), second=True)
-    gathered = columns.keys if isinstance(columns.transport, OneBlock) else None  # every text's key, here
-    positive = _positive_weights(call, symmetric, image_keys, gathered).to(call.scale.dtype)
-    weights = torch.ones_like(positive) if call.weights is None else call.weights.to(positive.dtype)
-    with_positives = RowTargets(keys=image_keys)
-    if isinstance(columns.transport, OneBlock):  # every text is here: the positive pairs' part directly
-        corrections = _positive_part(call, columns, positive, soft_label)
-        if call.per_row:
-            return call.rows(SIGMOID, images, columns, with_positives, bias=bias)[0] + corrections
-        total = call.weighted_sum(SIGMOID, images, columns, with_positives, bias=bias)[0] + corrections @ weights
-    else:  # the row as w·A + (1 − w)·X: two calls of the primitive (X: without positives, or all negatives)
-        without = RowTargets() if soft_label else RowTargets(keys=image_keys, key_rule="mask")
-        if call.per_row:
-            rows = [call.rows(SIGMOID, images, columns, targets, bias=bias)[0] for targets in (with_positives, without)]
-            return positive * rows[0] + (1 - positive) * rows[1]
-        parts = [call.weighted_sum(SIGMOID, images, columns, targets, weights=part * weights, bias=bias)[0]
-                 for targets, part in ((with_positives, positive), (without, 1 - positive))]  # fmt: skip
-        total = parts[0] + parts[1]
-    return call.share(total, per=sum(call.layout.extra_sizes) if per_pair else 1)
-
-
-def _positive_part(call: Call[Captions], columns: Columns, positive: Tensor, soft_label: bool) -> Tensor:
-    """``(n_r,)`` what SigLIP+'s weighting adds to each row's plain SigLIP row, from its positive pairs alone.
-
-    With ``w_i`` the row's positive weight: ``(w_i − 1) Σ_{j ∈ P_i} softplus(−s_ij)``; soft labels
-    ``(1 − w_i) Σ_{j ∈ P_i} s_ij``. Differentiable, through the gathered texts.
-    """
-    images, bias = call.own.images, cast(Tensor, call.own.bias)
-    pairs = key_pairs(cast(Tensor, call.keys(call.own.image_ids)), cast(Tensor, columns.keys))
-    assert pairs is not None
-    rows, texts = pairs
-    dtype = call.scale.dtype
-    logits = call.scale * (images[rows].to(dtype) * columns.features[texts].to(dtype)).sum(dim=1) + bias
-    terms = (1 - positive[rows]) * logits if soft_label else (positive[rows] - 1) * F.softplus(-logits)
-    return logits.new_zeros(images.shape[0]).index_add(0, rows, terms)
-
-
-def _positive_weights(call: Call[Captions], symmetric: bool, image_keys: Tensor | None,
-                      every_text: Tensor | None) -> Tensor:  # fmt: skip
-    """``(n_r,)`` ``α/k_i + β/k'_i``: the weight of image ``i``'s positive pairs (its id's texts and images).
-
-    ``every_text``: every rank's text keys where gather mode has them already (else gathered here).
-    """
-    keys = cast(Tensor, image_keys)
-    if every_text is None:
-        every_text = cast(Tensor, call.keys(call.gathered(call.own.text_ids, second=True)))
-    every_image = cast(Tensor, call.keys(call.gathered(call.own.image_ids)))
-    texts_of, images_of = (count_in(keys, every) for every in (every_text, every_image))
+    images, texts, image_ids, text_ids, text_weight, _ = call.own
+    image_keys, text_keys = cast(Tensor, call.keys(image_ids)), cast(Tensor, call.keys(text_ids))
+    to_texts = call.columns(texts, keys=text_keys, second=True)
+    every_text = _every_key(call, to_texts, text_ids, second=True)
+    every_image = cast(Tensor, call.keys(call.gathered(image_ids)))
+    per = sum(call.layout.extra_sizes) if per_pair else 1
     share = (0.5, 0.5) if symmetric else (1.0, 0.0)
-    return share[0] / texts_of.clamp_min(1).double() + share[1] / images_of.clamp_min(1).double()
+    if not call.per_row and text_weight is None:  # one pass: a row's negatives weigh alike, and its positives
+        weights, balance = _weights_and_balance(call)  # balance: W / N, what a text direction's term weighs
+        texts_of, images_of = (count_in(image_keys, every).clamp_min(1).to(weights.dtype)
+                               for every in (every_text, every_image))  # fmt: skip
+        negative = share[0] * weights + share[1] * balance
+        positive = share[0] * weights / texts_of + share[1] * balance / images_of
+        return call.share(_plus_rows(call, images, image_keys, to_texts, positive, negative, soft_label), per=per)
+    directions: list[tuple[Tensor, Tensor, Columns, Tensor, Tensor | None]] = [
+        (images, image_keys, to_texts, every_text, call.weights)]
+    if symmetric:
+        directions.append((texts, text_keys, call.columns(images, keys=image_keys), every_image, text_weight))
+    values = []
+    for anchors, keys, columns, others, given in directions:  # each with its own 1/k, its anchors' weights
+        inverse = 1 / count_in(keys, others).clamp_min(1).to(call.scale.dtype)
+        row_weights = None if call.per_row else _ones_or(given, inverse)
+        weighted = inverse if row_weights is None else inverse * row_weights
+        values.append(_plus_rows(call, anchors, keys, columns, weighted, row_weights, soft_label))
+    if call.per_row:
+        return torch.cat(values)
+    means = [call.share(values[0], per=per)]
+    if symmetric:  # the texts' weighted mean times M / N: without weights, their pairs' sum over N, as above
+        counted = _ones_or(text_weight, texts.new_empty(texts.shape[0], dtype=call.scale.dtype)).sum()
+        images_total, texts_total = sum(call.layout.sizes), sum(call.layout.extra_sizes)
+        ratio = images_total / texts_total if texts_total else 0.0
+        means.append(call.share(values[1], local_denominator=counted * (ratio * per)))
+    return means[0] if len(means) == 1 else share[0] * means[0] + share[1] * means[1]
+
+
+def _plus_rows(call: Call[Captions], anchors: Tensor, keys: Tensor, columns: Columns, positive: Tensor,
+               negative: Tensor | None, soft_label: bool) -> Tensor:  # fmt: skip
+    """Each anchor's SigLIP+ row ``Σ_j v_ij (softplus(s_ij) − s_ij y_ij)``, or their sum (``negative`` given).
+
+    Row ``i``'s positive pairs weigh ``positive[i]`` and its negatives ``negative[i]`` (``None``: per-row
+    values, negatives 1); soft labels: every pair the negatives' weight, a positive's label the ratio. The
+    row is ``p A + (c − p) X``, ``A`` the primitive's row with its positives, ``X`` without them (soft
+    labels: with them as negatives); in gather mode, where every column is here, ``c A`` plus the positive
+    pairs' part directly (:func:`_positive_part`): one call of the primitive.
+
+    Shape:
+        anchors: ``(n, D)``; keys, positive, negative: ``(n,)``; output: ``(n,)``, or ``()`` with ``negative``.
+    """
+    bias = call.own.bias
+    with_positives = RowTargets(keys=keys)
+    if isinstance(columns.transport, OneBlock):
+        excess = positive - (1 if negative is None else negative)
+        corrections = _positive_part(call, anchors, keys, columns, excess, soft_label)
+        if negative is None:
+            return call.rows(SIGMOID, anchors, columns, with_positives, bias=bias)[0] + corrections
+        total = call.weighted_sum(SIGMOID, anchors, columns, with_positives, weights=negative, bias=bias)[0]
+        return total + corrections.sum()
+    without = RowTargets() if soft_label else RowTargets(keys=keys, key_rule="mask")
+    if negative is None:
+        rows = [call.rows(SIGMOID, anchors, columns, targets, bias=bias)[0] for targets in (with_positives, without)]
+        return positive * rows[0] + (1 - positive) * rows[1]
+    parts = [call.weighted_sum(SIGMOID, anchors, columns, targets, weights=part, bias=bias)[0]
+             for targets, part in ((with_positives, positive), (without, negative - positive))]  # fmt: skip
+    return parts[0] + parts[1]
+
+
+def _positive_part(call: Call[Captions], anchors: Tensor, keys: Tensor, columns: Columns, excess: Tensor,
+                   soft_label: bool) -> Tensor:  # fmt: skip
+    """``(n,)`` what each row's positive pairs add beyond the primitive's row weighted by its negatives' weight.
+
+    With ``excess`` the positives' weight less the negatives': ``excess_i Σ_{j ∈ P_i} softplus(−s_ij)``;
+    soft labels ``−excess_i Σ_{j ∈ P_i} s_ij``. Differentiable, through the gathered columns.
+    """
+    pairs = key_pairs(keys, cast(Tensor, columns.keys))
+    assert pairs is not None
+    rows, others = pairs
+    dtype = call.scale.dtype
+    products = (anchors[rows].to(dtype) * columns.features[others].to(dtype)).sum(dim=1)
+    logits = call.scale * products + cast(Tensor, call.own.bias)
+    terms = -excess[rows] * logits if soft_label else excess[rows] * F.softplus(-logits)
+    return logits.new_zeros(anchors.shape[0]).index_add(0, rows, terms)
+
+
+def _every_key(call: Call[Captions], columns: Columns, ids: Tensor, *, second: bool) -> Tensor:
+    """Every rank's keys of ``ids``: the columns' where gather mode has them already, else gathered here."""
+    if isinstance(columns.transport, OneBlock):
+        return cast(Tensor, columns.keys)
+    return cast(Tensor, call.keys(call.gathered(ids, second=second)))
+
+
+def _weights_and_balance(call: Call[Captions]) -> tuple[Tensor, Tensor | float]:
+    """The image rows' weights (ones without ``weight=``) and ``W / N``: their global total over the images."""
+    images = call.own.images
+    if call.weights is None:
+        return images.new_ones(images.shape[0], dtype=call.scale.dtype), 1.0
+    total = cast(Tensor, call.layout.total).to(call.scale.dtype)
+    return call.weights.to(call.scale.dtype), total / max(sum(call.layout.sizes), 1)
+
+
+def _ones_or(weights: Tensor | None, like: Tensor) -> Tensor:
+    """``weights`` in ``like``'s dtype, or ones shaped like ``like``."""
+    return torch.ones_like(like) if weights is None else weights.to(like.dtype)
 
 
 def count_in(ids: Tensor, every: Tensor) -> Tensor:

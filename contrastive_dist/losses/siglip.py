@@ -25,7 +25,7 @@ def siglip(
     chunk_size: int | None = None, group: GroupLike = None, sizes: Sequence[int] | None = None,
     weight: Tensor | None = None, reduction: Reduction = "mean", communication: Communication = "gather",
     ids: Tensor | None = None, same_id: SameId = "mask", image_ids: Tensor | None = None,
-    text_ids: Tensor | None = None, text_sizes: Sequence[int] | None = None,
+    text_ids: Tensor | None = None, text_weight: Tensor | None = None, text_sizes: Sequence[int] | None = None,
 ) -> Tensor:
     """Sigmoid loss of this rank's images against every rank's texts; exact under data parallelism.
 
@@ -49,10 +49,15 @@ def siglip(
     and ``text_ids`` a rank passes ``n_r`` images and ``m_r`` texts (any counts, 0 included); a pair with
     equal ids over the global batch is a positive, weighted as siglip-kernel's SigLIP+ weighs it:
     ``½ (1/k_i + 1/k'_j)`` (``k_i`` the texts with image ``i``'s id, ``k'_j`` the images with text ``j``'s),
-    every negative 1. An image row is ``Σ_j v_ij (softplus(s_ij) − s_ij y_ij)`` over all ``M`` texts and
-    the loss their mean over the ``N`` images (siglip-kernel divides by ``N·M``: its drop-ins in
-    ``contrastive_dist.compat.siglip_kernel``); with one text per image it is the loss above. Not with
-    ``ids``; under ``torch.compile`` on several ranks with ``sizes=`` and ``text_sizes=`` given.
+    every negative 1: the loss is ``(1/N) Σ_{i,j} v_ij (softplus(s_ij) − s_ij y_ij)`` over the ``N × M`` pairs
+    (siglip-kernel divides by ``N·M``: its drop-ins in ``contrastive_dist.compat.siglip_kernel``); with one
+    text per image it is the loss above. It is the mean of two directions: image ``i``'s
+    ``ℓ_i = Σ_j [P_ij/k_i · softplus(−s_ij) + (1 − P_ij) softplus(s_ij)]`` over all ``M`` texts and text ``j``'s
+    ``ℓ_j`` the same with ``1/k'_j`` over all ``N`` images; ``weight`` weighs the images' and ``text_weight``
+    the texts': ``½ (Σ_i w_i ℓ_i / Σ w + (M/N) Σ_j u_j ℓ_j / Σ u)`` (without weights the loss above), and
+    ``reduction="none"`` returns the images' ``ℓ_i`` then the texts' ``ℓ_j``, ``(n_r + m_r,)``; with
+    ``text_weight`` or ``reduction="none"`` each direction takes a pass of its own. Not with ``ids``; under
+    ``torch.compile`` on several ranks with ``sizes=`` and ``text_sizes=`` given.
 
     **A row** of ``weight`` and ``reduction="none"`` ([weight][option-weight],
     [reduction][option-reduction]) is an image row: its loss is ``ℓ_i = Σ_j softplus(−z_ij ·
@@ -75,6 +80,7 @@ def siglip(
         same_id: ``"mask"`` or ``"positive"``: what pairs with the same id are ([ids][option-ids]).
         image_ids: ``(n_r,)`` int64 global ids of the images: several texts per image (with ``text_ids``).
         text_ids: ``(m_r,)`` int64 global ids of the texts (``text_features`` then ``(m_r, D)``).
+        text_weight: ``(m_r,)`` one weight ≥ 0 per text, with ``image_ids`` / ``text_ids`` only.
         text_sizes: every rank's text count, if known (with ``image_ids`` / ``text_ids``; like ``sizes``).
         communication: ``"gather"`` (only the texts are gathered) or ``"ring"`` (text blocks
             travel) ([communication][option-communication]).
@@ -107,13 +113,13 @@ def siglip(
                     ids=ids, same_id=same_id)
     if image_ids is not None or text_ids is not None:  # several texts per image: SigLIP+'s rows
         captions = begin_captions(common, image_features, text_features, image_ids, text_ids, refused={"ids": ids},
-                                  options={}, bias=logit_bias, text_sizes=text_sizes)  # fmt: skip
+                                  options={}, bias=logit_bias, text_weight=text_weight, text_sizes=text_sizes)
         with full_precision(captions.own.images.device):
             return caption_siglip(captions)
 
     def own() -> _Inputs:
         images, texts = check_pair("image_features", image_features, "text_features", text_features)
-        refuse_without_captions(text_sizes=text_sizes)
+        refuse_without_captions(text_weight=text_weight, text_sizes=text_sizes)
         return _Inputs(images, texts, scalar_tensor("logit_bias", logit_bias, images))
 
     call = begin(own, common, inputs=(image_features, text_features), options={}, scalars={"logit_bias": 2})
@@ -156,8 +162,9 @@ class SigLIPLoss(HeldOptions):
 
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor | float,
                 logit_bias: Tensor | float, *, sizes: Sequence[int] | None = None, weight: Tensor | None = None,
-                ids: Tensor | None = None, image_ids: Tensor | None = None,
-                text_ids: Tensor | None = None, text_sizes: Sequence[int] | None = None) -> Tensor:  # fmt: skip
+                ids: Tensor | None = None, image_ids: Tensor | None = None, text_ids: Tensor | None = None,
+                text_weight: Tensor | None = None, text_sizes: Sequence[int] | None = None) -> Tensor:  # fmt: skip
         """Return the global loss, its gradient this rank's share (or the per-row losses); see :func:`siglip`."""
         return siglip(image_features, text_features, logit_scale, logit_bias, sizes=sizes, weight=weight, ids=ids,
-                      image_ids=image_ids, text_ids=text_ids, text_sizes=text_sizes, **self.options())
+                      image_ids=image_ids, text_ids=text_ids, text_weight=text_weight, text_sizes=text_sizes,
+                      **self.options())
