@@ -90,6 +90,14 @@ GROUPS = {
         ("ntxent::mean:ring", 2, (3, 2), "float64"),
         ("ntxent::none:ring", None, (3, 2), "float64"),
     ],
+    # Ring mode with an empty rank: its hops once crossed when compiled (moved or recomputed by the partitioner
+    # by each rank's data); an ordered effect now.
+    "ring with an empty rank": [
+        ("siglip::mean:ring", None, (3, 0), "float64"),
+        ("siglip::none:ring", 2, (0, 3), "float64"),
+        ("clip::mean:ring", 2, (3, 0), "float64"),
+        ("ntxent::mean:ring", None, (0, 3), "float64"),
+    ],
 }
 """Cases in groups of a few compilations each (a failure names its group): every group takes 6–30 s on
 an idle machine, 113 s for all of them."""
@@ -180,9 +188,12 @@ CAPTION_CASES = [
     *[(kind, {"communication": "gather", "compiled": True, "chunk_size": 2, "weighted": True})
       for kind in ("info_nce", "siglip")],
     ("siglip", {"communication": "gather", "compiled": True, "weighted": "images"}),  # one pass, weighted rows
-    # Ring mode needs every rank's images and texts under compile (an empty rank is refused, below).
     *[(kind, {"communication": "ring", "compiled": True, "reduction": "none", "counts": ((3, 1, 2), (2, 4, 1))})
       for kind in ("info_nce", "siglip")],
+    # An empty rank on each side (images (4, 0, 3), texts (5, 6, 0)): compiled, its hops once crossed (gloo: 240 vs
+    # 192 bytes) as the partitioner moved or recomputed them by each rank's data (now an ordered effect).
+    *[(kind, {"communication": "ring", "compiled": True, "reduction": "none"}) for kind in ("info_nce", "siglip")],
+    ("info_nce", {"communication": "ring", "compiled": True, "reduction": "none", "symmetric": False}),
 ]
 """Several texts per image, compiled whole with ``sizes=`` and ``text_sizes=``: both losses, both modes."""
 
@@ -198,8 +209,3 @@ def test_several_captions_compile_on_three_uneven_ranks(pool: Callable[[int], Wo
     for per_rank in zip(*pool(3).run(errors_per_rank, CAPTION_CASES, timeout=GROUP_SECONDS), strict=True):
         worst = max(error for _, error in per_rank)
         assert worst <= CAPTIONS_TOLERANCE, f"{per_rank[0][0]}: {worst:.1e}"
-    refused = ("siglip", {"communication": "ring", "compiled": True})
-    errors = pool(3).run(errors_per_rank, [refused], timeout=GROUP_SECONDS, return_exceptions=True)
-    # Dynamo raises it as an Unsupported "observed exception" whose message holds the ValueError's.
-    assert all(isinstance(error, Exception) and "every rank needs images and texts" in str(error)
-               for error in errors), errors

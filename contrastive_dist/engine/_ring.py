@@ -131,6 +131,37 @@ class _TracedPending:
         self._received = []
 
 
+def _order_traced_hops() -> None:
+    """Mark the functional point-to-point op an ordered effect, so that a compiled graph keeps its hops in order.
+
+    Without it the op is only kept from dead-code elimination, and AOTAutograd's partitioner places each hop
+    by its data alone: a backward hop that needs no upstream gradient (a block's features) is computed in
+    the forward graph, and may be computed again in the backward (recomputed, not saved), one that does (a
+    gradient accumulator) stays in the backward, and on a rank without rows in a direction, whose upstream
+    gradient is zeros made there (``torch.cat`` drops an empty input's), the accumulators' hops move into
+    the forward too. Ranks with empty blocks then posted the same hops in different orders, or some twice,
+    and their messages crossed (3 gloo ranks, images (4, 0, 3), texts (5, 6, 0): 240 bytes arrived where
+    192 were expected; square SigLIP, (3, 0, 2): 144 where 96). An ordered effect threads a token through
+    the hops, and is never recomputed: the forward's hops stay in the forward graph and the backward's in
+    the backward, each once, in the order traced, the eager order, on every rank. Done once, at import
+    (registering is not traceable), for the op process-wide: any compiled use of it keeps its order, which a
+    point-to-point exchange needs anyway. A torch without the op or its registry is left as it is.
+    """
+    try:
+        from torch._higher_order_ops import effects
+
+        op = torch.ops._c10d_functional.batch_p2p_ops.default
+        # (Older torch keeps the registry in a dict.)
+        get_effect = getattr(effects, "_get_effect", None) or getattr(effects, "SIDE_EFFECTS", {}).get
+        if get_effect(op) is None:
+            effects._register_effectful_op(op, effects._EffectType.ORDERED)
+    except (ImportError, AttributeError, RuntimeError):
+        return
+
+
+_order_traced_hops()
+
+
 def _traced_shift(ring: Ring, outgoing: Sequence[Tensor], incoming: Sequence[Tensor]) -> _TracedPending:
     """The same hop through the functional point-to-point op, which dynamo traces as it is.
 
