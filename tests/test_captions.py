@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from contrastive_dist import info_nce, siglip
+from contrastive_dist import DistributedInfoNCE, SigLIPLoss, info_nce, siglip
 from contrastive_dist.compat.siglip_kernel import DistributedSigLIPLoss, DistributedSigLIPPlusLoss, SigLIPPlusLoss
 
 TOLERANCE = 1e-10
@@ -264,6 +264,17 @@ def test_siglip_plus_by_its_directions_is_its_matrix_of_terms() -> None:
     assert torch.allclose(rows.sum() / (2 * 7), matrix, rtol=0, atol=1e-13)
     unit = batch | {"image_weight": torch.full((7,), 3.0, dtype=x.dtype), "text_weight": torch.full((11,), 0.5)}
     assert torch.allclose(reference_siglip_plus(x, y, scale, bias, unit, weighted=True), matrix, rtol=0, atol=1e-13)
+
+
+def test_the_modules_take_the_text_options_as_the_functions_do() -> None:
+    batch = make_batch(6, 5, 9)
+    x, y, scale, bias = _leaves(batch)
+    options = {"image_ids": batch["image_ids"], "text_ids": batch["text_ids"], "weight": batch["image_weight"],
+               "text_weight": batch["text_weight"], "text_sizes": (9,)}  # fmt: skip
+    assert torch.equal(SigLIPLoss(communication="ring")(x, y, scale, bias, **options),
+                       siglip(x, y, scale, bias, communication="ring", **options))  # fmt: skip
+    assert torch.equal(DistributedInfoNCE(chunk_size=2)(x, y, scale, **options),
+                       info_nce(x, y, scale, chunk_size=2, **options))  # fmt: skip
 
 
 def test_float32_is_within_float32_bounds_of_float64() -> None:
