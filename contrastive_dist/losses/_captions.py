@@ -148,20 +148,22 @@ def caption_siglip(call: Call[Captions], *, symmetric: bool = True, soft_label: 
     image_keys, text_keys = cast(Tensor, call.keys(image_ids)), cast(Tensor, call.keys(text_ids))
     to_texts = call.columns(texts, keys=text_keys, second=True)
     every_text = _every_key(call, to_texts, text_ids, second=True)
-    every_image = cast(Tensor, call.keys(call.gathered(image_ids)))
     per = sum(call.layout.extra_sizes) if per_pair else 1
     share = (0.5, 0.5) if symmetric else (1.0, 0.0)
     if not call.per_row and text_weight is None:  # one pass: a row's negatives weigh alike, and its positives
         weights, balance = _weights_and_balance(call)  # balance: W / N, what a text direction's term weighs
-        texts_of, images_of = (count_in(image_keys, every).clamp_min(1).to(weights.dtype)
-                               for every in (every_text, every_image))  # fmt: skip
         negative = share[0] * weights + share[1] * balance
-        positive = share[0] * weights / texts_of + share[1] * balance / images_of
+        positive = share[0] * weights / count_in(image_keys, every_text).clamp_min(1).to(weights.dtype)
+        if symmetric:  # the images of each row's id: every rank's image ids, gathered here
+            every_image = cast(Tensor, call.keys(call.gathered(image_ids)))
+            positive = positive + share[1] * balance / count_in(image_keys, every_image).clamp_min(1).to(weights.dtype)
         return call.share(_plus_rows(call, images, image_keys, to_texts, positive, negative, soft_label), per=per)
     directions: list[tuple[Tensor, Tensor, Columns, Tensor, Tensor | None]] = [
         (images, image_keys, to_texts, every_text, call.weights)]
     if symmetric:
-        directions.append((texts, text_keys, call.columns(images, keys=image_keys), every_image, text_weight))
+        to_images = call.columns(images, keys=image_keys)
+        every_image = _every_key(call, to_images, image_ids, second=False)
+        directions.append((texts, text_keys, to_images, every_image, text_weight))
     values = []
     for anchors, keys, columns, others, given in directions:  # each with its own 1/k, its anchors' weights
         inverse = 1 / count_in(keys, others).clamp_min(1).to(call.scale.dtype)
