@@ -87,11 +87,24 @@ def main(argv: Sequence[str] | None = None) -> str:
                 row_stats if splits == 1 else partial, c, m, span, **softmax, SINGLE=splits == 1, **shape),
             "grad": lambda: kernels.grad_kernel[tiles_grid](
                 product, *product.stride(), scale, None, state, positive, excluded, 0, None, None, 0, None, grad,
-                *grad.stride(), c, m, **softmax, HAS_W=False, ACCUMULATE=False, **shape),
+                *grad.stride(), c, m, **softmax, HAS_W=False, **shape),
             "block": lambda: kernels.block_kernel[rows_grid[:1]](
                 product, *product.stride(), scale, None, positive, excluded, 0, None, None, 0, None, row_stats, grad,
                 *grad.stride(), c, m, **softmax, HAS_W=False, **shape),
+            # A symmetric loss's both directions: the columns' positives are the rows' (a square block).
+            "pairs": lambda: kernels.pair_state_kernel[rows_grid](
+                product, *product.stride(), scale, None, positive, excluded, 0, positive, None, 0, None, None, 0,
+                row_stats if splits == 1 else partial, column_partial(tile), c, m, min(c, m), span, **softmax,
+                HAS_CPOS=True, HAS_CEXCL=False, ROWS_SINGLE=splits == 1, COLUMNS_SINGLE=row_programs == 1, **shape),
+            "pair_grad": lambda: kernels.pair_grad_kernel[rows_grid[:1]](
+                product, *product.stride(), scale, None, state, positive, excluded, 0, state, positive, None, 0, None,
+                None, 0, None, None, grad, *grad.stride(), c, m, min(c, m), **softmax, HAS_CPOS=True, HAS_CEXCL=False,
+                HAS_W=False, HAS_CW=False, **shape),
         }  # fmt: skip
+
+    def column_partial(tile: launch.Tile) -> torch.Tensor:
+        """The columns' state, partial per program of rows (the rows' ``state`` serves as the columns' final)."""
+        return torch.empty(math.ceil(c / tile.rows), min(c, m), 5, device=device)
 
     floor = _milliseconds(lambda: grad.copy_(product), args.repeats, cuda)
     lines = [f"P {c} x {m}{' (P.T)' if args.transposed else ''}, {device.type}: copy P into bf16 G "

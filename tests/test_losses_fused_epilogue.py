@@ -43,7 +43,7 @@ INTERPRETER_CHECKS = "fused loss checks"
 interpreted = pytest.mark.in_background(INTERPRETER_CHECKS)
 DEVICE = torch.device(os.environ.get("CONTRASTIVE_DIST_TEST_DEVICE", "cpu"))
 """Where the losses run: the CPU (under the interpreter), or a GPU (its compiled kernels)."""
-_OPS = ("sigmoid_block", "softmax_state", "softmax_grad", "softmax_block")
+_OPS = ("sigmoid_block", "softmax_state", "softmax_grad", "softmax_block", "softmax_pairs", "softmax_pair_grad")
 
 
 def _interpreter_command() -> str:

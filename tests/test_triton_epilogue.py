@@ -168,8 +168,8 @@ def _rounded(values: Tensor, dtype: torch.dtype) -> Tensor:
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_softmax_gradient_dtypes_and_accumulation(dtype: torch.dtype) -> None:
-    """The unweighted G rounded once to the output dtype; ``accumulate`` adds onto a transposed view."""
+def test_softmax_gradient_dtypes(dtype: torch.dtype) -> None:
+    """The unweighted G rounded once to the output dtype."""
     block = _block("random")
     args = (block.product, block.scale, block.bias)
     state = epilogue.softmax_state(*args, block.positive, block.excluded)
@@ -179,10 +179,6 @@ def test_softmax_gradient_dtypes_and_accumulation(dtype: torch.dtype) -> None:
     grad = torch.empty(block.product.shape, dtype=dtype)
     epilogue.softmax_grad(*args, state, block.positive, block.excluded, None, grad)
     _assert_rounded(grad, full)
-    earlier = torch.randn(block.product.shape[::-1]).to(dtype)  # laid out as the other direction's G
-    summed = earlier.clone().T
-    epilogue.softmax_grad(*args, state, block.positive, block.excluded, None, summed, accumulate=True)
-    _assert_rounded(summed, earlier.T.float() + full)
 
 
 def _assert_rounded(stored: Tensor, values: Tensor) -> None:
@@ -325,6 +321,119 @@ def test_keys_compared_in_the_kernels(case: str, key_dtype: torch.dtype) -> None
         _close(grad_sums, eager_sigmoid.sum(1), rtol=1e-5, atol=1e-5)
 
 
+class Pairs(NamedTuple):
+    """A block whose first ``width`` columns are a side of their own (seen as rows), its targets and keys."""
+
+    block: Block
+    positive: Tensor | None  # the rows' (None: positives by key alone)
+    column_positive: Tensor | None  # (width,) each column's positive row, less column_shift; -1: none
+    column_excluded: Tensor | None
+    width: int
+    keys: dict[str, object]
+
+
+PAIRS = ["positives", "one_program_of_rows", "narrow_side", "keys_left_out", "keys_positive", "keys_alone", "shifted"]
+"""Both sides with positives and excluded pairs (a symmetric InfoNCE's); the rows in one program (the columns'
+state finished in the kernel); a side narrower than the block; keys that leave pairs out; keys as positives
+beside the positives; keys alone (SupCon's anchors, a Gram loss's pair of tiles); positives stored shifted."""
+
+
+def _pairs(case: str) -> Pairs:
+    generator = torch.Generator().manual_seed(4)
+    block = _block("random", seed=5)
+    c, m = block.product.shape
+    if case == "one_program_of_rows":  # (the interpreter's tile has 16 rows)
+        block = Block(*(field[:12] if field is not None and field.dim() else field for field in block))
+        c = 12
+    width = 29 if case == "narrow_side" else m
+    column_positive = torch.randint(0, c, (width,), generator=generator)
+    column_positive[::4] = -1
+    column_excluded = (column_positive + 1 + torch.randint(0, c - 1, (width,), generator=generator)) % c
+    column_excluded[1::3] = -1
+    keys: dict[str, object] = {}
+    positive: Tensor | None = block.positive
+    if case.startswith("keys"):
+        row_keys = torch.randint(0, 6, (c,), generator=generator)
+        row_keys[::5] = 99  # a key no column has
+        keys = {"row_keys": row_keys, "column_keys": torch.randint(0, 6, (m - 5,), generator=generator),
+                "keys_positive": case != "keys_left_out"}  # fmt: skip
+        width = min(width, m - 5)  # every column with a side has a key
+        column_positive, column_excluded = column_positive[:width], column_excluded[:width]
+    if case == "keys_alone":
+        positive = column_positive = None
+        block = block._replace(product=(block.product * 2).round())  # logits tied at the maximum too
+    if case == "shifted":
+        keys = {"positive_shift": 3, "column_shift": 7}
+        positive = torch.where(block.positive >= 0, block.positive + 3, -1)
+        column_positive = torch.where(column_positive >= 0, column_positive + 7, -1)
+        column_excluded = torch.where(column_excluded >= 0, column_excluded - 7, -1)  # as _fused passes them
+    return Pairs(block, positive, column_positive, column_excluded, width, keys)
+
+
+def _one_side(pairs: Pairs, columns: bool) -> tuple[tuple[object, ...], dict[str, object]]:
+    """The single-direction ops' arguments for the rows (``columns`` False) or the columns seen as rows."""
+    block, keys = pairs.block, dict(pairs.keys)
+    column_shift = keys.pop("column_shift", 0)
+    if not columns:
+        return (block.product, block.scale, block.bias, pairs.positive, block.excluded), keys
+    swapped = {**keys, "positive_shift": column_shift}
+    if "row_keys" in keys:
+        swapped["row_keys"], swapped["column_keys"] = keys["column_keys"][: pairs.width], keys["row_keys"]  # type: ignore[index]
+    product = block.product[:, : pairs.width].T
+    return (product, block.scale, block.bias, pairs.column_positive, pairs.column_excluded), swapped
+
+
+@interpreted
+@pytest.mark.parametrize("case", PAIRS)
+def test_rows_and_columns_from_one_read(case: str) -> None:
+    """softmax_pairs and softmax_pair_grad equal the rows' ops and the columns' (on ``P.T``), added.
+
+    The single-direction ops are checked above against the eager chain and float64. Several spans and
+    several programs of rows (partial states merged), and ``G`` over the product itself (float32) and in
+    its rows' first halves (bfloat16).
+    """
+    pairs = _pairs(case)
+    rows_args, rows_keys = _one_side(pairs, columns=False)
+    columns_args, columns_keys = _one_side(pairs, columns=True)
+    row_state = epilogue.softmax_state(*rows_args, **rows_keys)
+    column_state = epilogue.softmax_state(*columns_args, **columns_keys)
+    assert bool(_softmax.has_positive(column_state).any())
+    arguments = (*rows_args, pairs.column_positive, pairs.column_excluded, pairs.width)
+    for splits in (1, 3):
+        states = epilogue.softmax_pairs(*arguments, splits=splits, **pairs.keys)
+        _same_state(states[0], row_state)
+        _same_state(states[1], column_state)
+    row_weights, column_weights = _weights(pairs.block), torch.rand(pairs.width) + 0.5
+    expected = torch.empty_like(pairs.block.product)
+    epilogue.softmax_grad(*rows_args[:3], row_state, *rows_args[3:], row_weights, expected, **rows_keys)
+    column_grad = torch.empty(pairs.width, pairs.block.product.shape[0])
+    epilogue.softmax_grad(*columns_args[:3], column_state, *columns_args[3:], column_weights, column_grad,
+                          **columns_keys)  # fmt: skip
+    expected[:, : pairs.width] += column_grad.T
+    for dtype in (torch.float32, torch.bfloat16):
+        product = pairs.block.product.clone()
+        grad = product if dtype == torch.float32 else product.view(dtype)[:, : product.shape[1]]
+        epilogue.softmax_pair_grad(product, *rows_args[1:3], row_state, *rows_args[3:], row_weights, column_state,
+                                   pairs.column_positive, pairs.column_excluded, column_weights, grad, **pairs.keys)
+        _close(grad.float(), expected, rtol=torch.finfo(dtype).eps, atol=1e-7)
+
+
+@interpreted
+def test_rows_and_columns_of_an_empty_side() -> None:
+    """No rows: the columns' state is the empty one; no column with a side: the rows' state alone."""
+    pairs = _pairs("positives")
+    scale, block = pairs.block.scale, pairs.block
+    _, columns = epilogue.softmax_pairs(block.product[:0], scale, None, None, None, pairs.column_positive, None,
+                                        pairs.width)  # fmt: skip
+    assert torch.equal(columns, _softmax.empty_state(pairs.width, columns))
+    rows, columns = epilogue.softmax_pairs(block.product, scale, block.bias, block.positive, None, None, None, 0)
+    torch.testing.assert_close(rows, epilogue.softmax_state(block.product, scale, block.bias, block.positive, None),
+                               rtol=0, atol=0)  # fmt: skip
+    assert columns.shape == (0, 5)
+    with pytest.raises(ValueError, match="width must be between 0 and the block's 53 columns, got 54"):
+        epilogue.softmax_pairs(block.product, scale, None, None, None, None, None, 54)
+
+
 @interpreted
 def test_gradient_written_in_place() -> None:
     """``grad`` may be the product itself: each program reads its rows before it writes them."""
@@ -351,13 +460,13 @@ def test_custom_ops_pass_opcheck() -> None:
     args = (block.product, block.scale, block.bias, block.positive, block.excluded)
     state = epilogue.softmax_state(*args)
     grad = torch.empty_like(block.product)
-    weights, other_direction = torch.rand(1), torch.randn(block.product.shape[::-1]).bfloat16()
+    weights = torch.rand(1)
     calls = [
         (epilogue.sigmoid_block, (*args, None, grad.clone()), {}),
         (epilogue.sigmoid_block, (*args, weights, None), {"splits": 2}),
         (epilogue.softmax_state, args, {"splits": 2}),
         (epilogue.softmax_grad, (*args[:3], state, *args[3:], None, grad.clone()), {}),
-        (epilogue.softmax_grad, (*args[:3], state, *args[3:], weights, other_direction.T), {"accumulate": True}),
+        (epilogue.softmax_grad, (*args[:3], state, *args[3:], weights, grad.clone().bfloat16()), {}),
         (epilogue.softmax_block, (*args, weights, grad.clone()), {}),
     ]
     keyed, _, keys = _keyed("supcon")  # keys as positives, SupCon's anchors
@@ -370,6 +479,14 @@ def test_custom_ops_pass_opcheck() -> None:
         (epilogue.softmax_grad, (*keyed_args[:3], keyed_state, *keyed_args[3:], None, torch.empty_like(keyed.product)),
          masked),
         (epilogue.sigmoid_block, (*keyed_args, None, torch.empty_like(keyed.product)), masked),
+    ]
+    pairs = _pairs("keys_positive")
+    pair_args = (*pairs.block[:3], pairs.positive, pairs.block.excluded, pairs.column_positive, pairs.column_excluded)
+    row_state, column_state = epilogue.softmax_pairs(*pair_args, pairs.width, **pairs.keys)
+    calls += [
+        (epilogue.softmax_pairs, (*pair_args, pairs.width), {"splits": 2, **pairs.keys}),
+        (epilogue.softmax_pair_grad, (*pair_args[:3], row_state, *pair_args[3:5], None, column_state,
+                                      *pair_args[5:], None, torch.empty_like(pairs.block.product)), pairs.keys),
     ]
     for op, op_args, op_kwargs in calls:
         torch.library.opcheck(op, op_args, op_kwargs)
@@ -439,9 +556,10 @@ def test_available(monkeypatch: pytest.MonkeyPatch) -> None:
         epilogue.available(cpu)
 
 
-_POINTERS = {"pos_ptr": "*i64", "excl_ptr": "*i64"}
+_POINTERS = {"pos_ptr": "*i64", "excl_ptr": "*i64", "cpos_ptr": "*i64", "cexcl_ptr": "*i64"}
 _OPTIONAL = {"bias_ptr": "HAS_BIAS", "pos_ptr": "HAS_POS", "excl_ptr": "HAS_EXCL", "w_ptr": "HAS_W", "g_ptr": "WRITE_G",
-             "rk_ptr": "KEY_RULE", "ck_ptr": "KEY_RULE"}  # fmt: skip
+             "rk_ptr": "KEY_RULE", "ck_ptr": "KEY_RULE", "cpos_ptr": "HAS_CPOS", "cexcl_ptr": "HAS_CEXCL",
+             "cw_ptr": "HAS_CW"}  # fmt: skip
 _INPUTS = {  # every optional input (keys as positives, float keys), the fewest, keys that leave pairs out (int64 keys)
     "every_input": (True, 1, "*fp32"),
     "fewest_inputs": (False, 0, "*fp32"),
@@ -465,11 +583,12 @@ def test_kernels_compile_for_cuda(inputs: str) -> None:
         pytest.skip("Triton without its NVIDIA backend")
     every_input, key_rule, key_type = _INPUTS[inputs]
     flags = {"HAS_BIAS": every_input, "HAS_POS": every_input, "HAS_EXCL": every_input, "HAS_W": every_input,
-             "WRITE_G": every_input, "SINGLE": every_input, "ACCUMULATE": every_input,
+             "WRITE_G": every_input, "SINGLE": every_input, "HAS_CPOS": every_input, "HAS_CEXCL": every_input,
+             "HAS_CW": every_input, "ROWS_SINGLE": every_input, "COLUMNS_SINGLE": not every_input,
              "KEY_RULE": key_rule}  # fmt: skip
     tile = {"BR": 8, "BC": 256} if every_input else {"BR": 1, "BC": 2048}  # the widest and the narrowest
     for kernel in (kernels.sigmoid_kernel, kernels.state_kernel, kernels.finish_kernel, kernels.grad_kernel,
-                   kernels.block_kernel):  # fmt: skip
+                   kernels.block_kernel, kernels.pair_state_kernel, kernels.pair_grad_kernel):  # fmt: skip
         signature: dict[str, str] = {}
         constants: dict[str, object] = {}
         for name in kernel.arg_names:
@@ -520,10 +639,14 @@ def test_traffic_counted_on_the_meta_device() -> None:
     with Traffic() as counter:
         epilogue.sigmoid_block(product, scale, bias, positive, None, None, grad)
         state = epilogue.softmax_state(product, scale, bias, positive, None)
-        epilogue.softmax_grad(product, scale, bias, state, positive, None, None, grad, accumulate=True)
+        epilogue.softmax_grad(product, scale, bias, state, positive, None, None, grad)
         epilogue.softmax_block(product, scale, bias, positive, None, None, grad)
+        state, column_state = epilogue.softmax_pairs(product, scale, bias, positive, None, positive, None, rows)
+        epilogue.softmax_pair_grad(product, scale, bias, state, positive, None, None, column_state, positive, None,
+                                   None, grad)  # fmt: skip
     per_logit = [(name.split("::")[1], round(moved / product.numel())) for name, moved in counter.calls]
-    assert per_logit == [("sigmoid_block", 6), ("softmax_state", 4), ("softmax_grad", 8), ("softmax_block", 10)]
+    assert per_logit == [("sigmoid_block", 6), ("softmax_state", 4), ("softmax_grad", 6), ("softmax_block", 10),
+                         ("softmax_pairs", 4), ("softmax_pair_grad", 6)]  # fmt: skip
 
 
 def _interpreter_command() -> None:

@@ -25,7 +25,8 @@ What counts:
   (``True``): the call takes the path of a check that passes (e.g. "every key is a small integer");
 * only launches on the device asked for count (work on CPU tensors is the host's);
 * an operator registered through ``torch.library`` (say ``contrastive_dist::sigmoid_epilogue``
-  with a fake implementation) is one launch with its inputs and outputs, like any other.
+  with a fake implementation) is one launch with its inputs and outputs, like any other; the arguments
+  it mutates are outputs (written, not read), also where the same tensor is an input too.
 
 :class:`Traffic` also follows the memory a call holds: every storage an operator's output makes (views
 share their base's), alive until its last tensor goes; :attr:`Traffic.peak` is the most bytes alive at
@@ -123,11 +124,29 @@ def _distinct(tensors: list[Any]) -> list[Tensor]:
     return list(unique.values())
 
 
+def _mutated(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+    """``(read, written)``: a custom operator's arguments split into those it reads and those it mutates.
+
+    A ``torch.library`` operator's mutated arguments are its outputs (the epilogue ops' ``G``): written,
+    not read, also where the same tensor is passed as an input too (``G`` over the product: read as the
+    product, then written). An ``aten`` operator's are left to the rules above (``add_`` reads its target).
+    """
+    if func.namespace in ("aten", "prim"):
+        return tree_leaves((args, kwargs)), []
+    read, written = [], []
+    for index, argument in enumerate(func._schema.arguments):
+        value = args[index] if index < len(args) else kwargs.get(argument.name)
+        mutated = argument.alias_info is not None and argument.alias_info.is_write
+        (written if mutated else read).extend(tree_leaves(value))
+    return read, written
+
+
 def _bytes(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
     """Bytes one launch reads and writes (see the module docstring)."""
     unread = _unread(func, args, kwargs)
-    inputs = [tensor for tensor in _distinct(tree_leaves((args, kwargs))) if id(tensor) not in unread]
-    written = sum(_span(tensor) for tensor in _distinct(tree_leaves(out)))
+    read, mutated = _mutated(func, args, kwargs)
+    inputs = [tensor for tensor in _distinct(read) if id(tensor) not in unread]
+    written = sum(_span(tensor) for tensor in _distinct(tree_leaves(out) + mutated))
     touched = _touched(func, args)
     if touched is not None:  # of the target, only the touched elements: written, and read by an update
         others = sum(_span(tensor) for tensor in inputs if tensor is not args[0])

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from contrastive_dist.losses._targets import Indices
-from contrastive_dist.losses._visit import half, product
+from contrastive_dist.losses._visit import Kept, Side, half, product
 
 if TYPE_CHECKING:
     from contrastive_dist.losses._families import Family
@@ -29,44 +29,37 @@ EPILOGUE_VARIABLE = "CONTRASTIVE_DIST_EPILOGUE"
 
 
 class Epilogue:
-    """What a visit's product goes through: :class:`Eager`'s interface, and the fused epilogue's."""
+    """What a visit's product goes through: :class:`Eager`'s interface, and the fused epilogue's.
+
+    A visit's rows and, where it has one, its column side (the block's first columns seen as rows, from
+    the same logits: :class:`~._visit.Side`) are one product's two directions: :meth:`states` and
+    :meth:`gradients` take both at once.
+    """
 
     def product(self, queries: Tensor, keys: Tensor) -> Tensor:
         """The visit's one product ``(c, m)``."""
         raise NotImplementedError
 
-    def transposed(self, product: Tensor, width: int) -> Tensor:
-        """The first ``width`` columns of ``product`` seen as rows ``(width, c)``: a column side's values."""
+    def states(self, values: Tensor, rows: Indices, columns: Side | None) -> tuple[Tensor, Tensor | None, Kept]:
+        """The rows' state over this visit alone ``(c, width)``, the column side's (or ``None``), what pass 2 keeps.
+
+        What is kept (:class:`~._visit.Kept`) serves pass 2 where the driver keeps a visit instead of forming
+        its product again.
+        """
         raise NotImplementedError
 
-    def state(self, values: Tensor, indices: Indices) -> Tensor:
-        """The rows' state over this visit alone ``(c, width)`` (eager: ``values`` become numerators)."""
-        raise NotImplementedError
-
-    def state_and_gradient(self, values: Tensor, indices: Indices, weights: Tensor | float, *, keep: bool = False
+    def state_and_gradient(self, values: Tensor, indices: Indices, weights: Tensor | float
                            ) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
-        """The state of rows complete after this visit, their ``G`` and (fused sigmoid) ``Σ_j G_ij``.
+        """The state of rows complete after this visit (no column side), their ``G``, (fused sigmoid) ``Σ_j G_ij``."""
+        raise NotImplementedError
 
-        ``keep``: ``values`` are read again afterwards (a column side).
+    def gradients(self, values: Tensor, rows: Side, columns: Side | None, kept: Kept | None
+                  ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        """``G`` from the final states, the rows' and (transposed, added) the column side's; ``Σ_j G_ij`` or ``None``.
+
+        ``values``: the product, or :meth:`states`' ``kept.product`` with ``kept``.
         """
         raise NotImplementedError
-
-    def gradient(self, values: Tensor, indices: Indices, state: Tensor, weights: Tensor | float,
-                 partial: Tensor | None, *, keep: bool) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-        """``G`` from the rows' final ``state``, and ``Σ_j G_ij`` or ``None``.
-
-        ``partial``: ``values`` are pass 1's numerators against it; ``keep``: ``values`` are read again.
-        """
-        raise NotImplementedError
-
-    def add_column_gradient(self, logit_grad: Tensor, values: Tensor, indices: Indices, state: Tensor,
-                            weights: Tensor | float, partial: Tensor | None) -> None:  # fmt: skip
-        """``G[:, :width] += G_columnsᵀ``: a column side's gradient from its final ``state``."""
-        raise NotImplementedError
-
-    def slice_rows(self, rows: int, columns: int, *, keep: bool) -> int:
-        """Rows of a visit whose ``G`` is formed at once in pass 2 (``keep``: the product is read again)."""
-        return rows
 
 
 class Eager(Epilogue):
@@ -83,35 +76,58 @@ class Eager(Epilogue):
             return (queries * self.scale) @ keys.T
         return torch.addmm(self.bias.expand(1, 1), queries * self.scale, keys.T)
 
-    def transposed(self, product: Tensor, width: int) -> Tensor:
-        # A copy laid out like the logits: its gradient adds back onto theirs in one plain pass.
-        return product[:, :width].clone().T
+    def states(self, values: Tensor, rows: Indices, columns: Side | None) -> tuple[Tensor, Tensor | None, Kept]:
+        column_values = column_partial = None
+        if columns is not None:  # (before the rows' state turns the logits into numerators)
+            column_values = _transposed(values, len(columns.state))
+            column_partial = self._state(column_values, columns.indices)
+        partial = self._state(values, rows)
+        return partial, column_partial, Kept(values, partial, column_values, column_partial)
 
-    def state(self, values: Tensor, indices: Indices) -> Tensor:
-        targets = indices.targets()
-        return self.family.block_state_(values, targets, targets.positive_mask(values))
-
-    def state_and_gradient(self, values: Tensor, indices: Indices, weights: Tensor | float, *, keep: bool = False
+    def state_and_gradient(self, values: Tensor, indices: Indices, weights: Tensor | float
                            ) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
         targets = indices.targets()
         mask = targets.positive_mask(values)
         state = self.family.block_state_(values, targets, mask)
         return state, self.family.gradient_(values, state, targets, mask, weights), None
 
-    def gradient(self, values: Tensor, indices: Indices, state: Tensor, weights: Tensor | float,
-                 partial: Tensor | None, *, keep: bool) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    def gradients(self, values: Tensor, rows: Side, columns: Side | None, kept: Kept | None
+                  ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        column_values = None
+        if columns is not None:  # (before the rows' gradient is written over the logits)
+            kept_values = None if kept is None else kept.column_values
+            column_values = _transposed(values, len(columns.state)) if kept_values is None else kept_values
+        logit_grad = self._gradient(values, rows, None if kept is None else kept.partial)
+        if columns is not None and column_values is not None:
+            column_grad = self._gradient(column_values, columns, None if kept is None else kept.column_partial)
+            logit_grad[:, : column_grad.shape[0]] += column_grad.T
+        return logit_grad, None
+
+    def _state(self, values: Tensor, indices: Indices) -> Tensor:
+        """The rows' state; ``values`` become their numerators."""
         targets = indices.targets()
+        return self.family.block_state_(values, targets, targets.positive_mask(values))
+
+    def _gradient(self, values: Tensor, side: Side, partial: Tensor | None) -> Tensor:
+        """``G`` of one side from its final state, in place.
+
+        ``values`` are its logits, or numerators against ``partial``.
+        """
+        targets = side.indices.targets()
         mask = targets.positive_mask(values)
         if partial is None:
-            self.family.numerators_(values, state, targets, mask)
+            self.family.numerators_(values, side.state, targets, mask)
         else:
-            self.family.rebase_(values, partial, state)
-        return self.family.gradient_(values, state, targets, mask, weights), None
+            self.family.rebase_(values, partial, side.state)
+        return self.family.gradient_(values, side.state, targets, mask, side.weights)
 
-    def add_column_gradient(self, logit_grad: Tensor, values: Tensor, indices: Indices, state: Tensor,
-                            weights: Tensor | float, partial: Tensor | None) -> None:  # fmt: skip
-        column_grad, _ = self.gradient(values, indices, state, weights, partial, keep=False)
-        logit_grad[:, : column_grad.shape[0]] += column_grad.T
+
+def _transposed(values: Tensor, width: int) -> Tensor:
+    """The first ``width`` columns of ``values`` seen as rows ``(width, c)``: a column side's values.
+
+    A copy laid out like the logits: its gradient adds back onto theirs in one plain pass.
+    """
+    return values[:, :width].clone().T
 
 
 def epilogue_for(family: Family, queries: Tensor, keys: Tensor, scale: Tensor, bias: Tensor | None) -> Epilogue:

@@ -197,11 +197,6 @@ class Indices(NamedTuple):
                                         for index in (self.positive, self.excluded, self.row_keys))  # fmt: skip
         return self._replace(positive=positive, excluded=excluded, row_keys=row_keys)
 
-    def columns(self, start: int, stop: int) -> Indices:
-        """The targets of the same rows against the columns ``start:stop`` alone."""
-        keys = None if self.column_keys is None else self.column_keys[start:stop]
-        return self._replace(column_keys=keys, shift=self.shift + start, width=stop - start, inside=False)
-
     def targets(self) -> Targets:
         """The same targets for the eager family functions: located columns."""
 

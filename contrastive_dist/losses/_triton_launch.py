@@ -45,6 +45,10 @@ _TILES: dict[str, tuple[Tile, ...]] = {
     "state": (Tile(1, 2048, 4),),
     "grad": (Tile(8, 256, 8),),
     "block": (Tile(8, 256, 8), Tile(2, 1024, 4), Tile(1, 2048, 4)),
+    # Not yet swept on a GPU: the rows' and columns' state of one read reduce along both directions of a
+    # square tile; the gradient of both owns whole rows, as `block` does, and takes its tiles.
+    "pairs": (Tile(64, 64, 4),),
+    "pair_grad": (Tile(8, 256, 8), Tile(2, 1024, 4), Tile(1, 2048, 4)),
 }
 KERNELS = tuple(_TILES)
 # A direction seen transposed (P.T: a symmetric loss's columns, which take the state and gradient

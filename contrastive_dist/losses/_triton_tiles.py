@@ -30,13 +30,18 @@ __all__ = [
     "_logits",
     "_scalars",
     "_row_keys",
+    "_same_keys",
+    "_side_targets",
     "_tile_targets",
     "_program_rows",
     "_tile",
     "_finite",
+    "_empty_stats",
+    "_stats_step",
     "_stats",
     "_finish",
     "_store_state",
+    "_load_state",
     "_row_weights",
     "_softmax_grad_tile",
     "_store_grad",
@@ -107,27 +112,47 @@ if triton is not None:
             return tl.zeros(rows.shape, tl.int64)
 
     @triton.jit
+    def _same_keys(row_keys, ck_ptr, cols, col_ok, keyed, KEY_RULE: tl.constexpr):
+        """``(BR, BC)``: the pairs whose row and column share a key (the block's columns past ``keyed`` have none).
+
+        Without keys (KEY_RULE 0): none, never loaded.
+        """
+        if KEY_RULE != _NO_KEYS:
+            keyed_here = col_ok & (cols < keyed)
+            column_keys = tl.load(ck_ptr + cols, mask=keyed_here, other=0)
+            return (row_keys[:, None] == column_keys[None, :]) & keyed_here[None, :]
+        else:
+            return (row_keys[:, None] < 0) & (cols[None, :] < 0)  # none
+
+    @triton.jit
+    def _side_targets(at_positive, excluded, outside, same, KEY_RULE: tl.constexpr):
+        """``(at_positive, by_key, left_out)`` of one side of a tile, from its positives, exclusions and keys.
+
+        ``outside``: the pairs past the block (no term). ``by_key``: with KEY_RULE 1 the pairs that share a
+        key, the excluded and outside ones excepted; else none. ``left_out``: no candidate (excluded, outside
+        and, KEY_RULE 2, the pairs that share a key but the positive). Written once for both sides of a tile:
+        a row's side reads it as it is, a column's side with the roles of rows and columns swapped.
+        """
+        left_out = excluded | outside
+        by_key = same & ~same  # none
+        if KEY_RULE == _KEYS_POSITIVE:
+            by_key = same & ~left_out
+        if KEY_RULE == _KEYS_MASKED:
+            left_out = left_out | (same & ~at_positive)
+        return at_positive, by_key, left_out
+
+    @triton.jit
     def _tile_targets(rows, cols, col_ok, pos, excl, row_keys, ck_ptr, keyed, KEY_RULE: tl.constexpr):
-        """``(at_positive, by_key, left_out)`` of one tile, each ``(BR, BC)``.
+        """``(at_positive, by_key, left_out)`` of one tile's rows, each ``(BR, BC)``.
 
         ``at_positive``: the row's positive column; ``by_key``: its positives by key (KEY_RULE 1: the
         pairs that share its key, its excluded column excepted; else none); ``left_out``: no candidate
         (its excluded column, the columns past the block and, KEY_RULE 2, the pairs that share its key
         but its positive). The block's columns past ``keyed`` have no key.
         """
-        at_positive = cols[None, :] == pos[:, None]
-        excluded = cols[None, :] == excl[:, None]
-        left_out = excluded | ~col_ok[None, :]
-        by_key = (rows[:, None] < 0) & (cols[None, :] < 0)  # none
-        if KEY_RULE != _NO_KEYS:
-            keyed_here = col_ok & (cols < keyed)
-            column_keys = tl.load(ck_ptr + cols, mask=keyed_here, other=0)
-            same = (row_keys[:, None] == column_keys[None, :]) & keyed_here[None, :]
-            if KEY_RULE == _KEYS_POSITIVE:
-                by_key = same & ~excluded
-            else:
-                left_out = left_out | (same & ~at_positive)
-        return at_positive, by_key, left_out
+        same = _same_keys(row_keys, ck_ptr, cols, col_ok, keyed, KEY_RULE)
+        return _side_targets(cols[None, :] == pos[:, None], cols[None, :] == excl[:, None], ~col_ok[None, :], same,
+                             KEY_RULE)
 
     @triton.jit
     def _program_rows(scale_ptr, bias_ptr, pos_ptr, excl_ptr, pos_shift, rk_ptr, c, m, BR: tl.constexpr,
@@ -154,6 +179,41 @@ if triton is not None:
         return tl.where(row_max == float("-inf"), 0.0, row_max)
 
     @triton.jit
+    def _empty_stats(rows):
+        """:func:`_stats`' five numbers over no column: ``(-inf, 0, 0, 0, 0)`` per row."""
+        zeros = tl.zeros(rows.shape, tl.float32)
+        return zeros + float("-inf"), zeros, zeros, zeros, zeros
+
+    @triton.jit
+    def _stats_step(row_max, rest, exact, key_sum, key_count, logits, at_positive, by_key, left_out,
+                    HAS_POS: tl.constexpr, KEY_RULE: tl.constexpr, AXIS: tl.constexpr):
+        """One tile's update of :func:`_stats`' five numbers, reduced along ``AXIS``.
+
+        AXIS 1: the tile's rows take its columns (their state); AXIS 0: its columns take its rows, the
+        same formulas with the roles swapped (a column side read from the same tile: no transposed pass).
+        """
+        if KEY_RULE == _KEYS_POSITIVE:  # before the exclusion, as _softmax reads them
+            key_sum += tl.sum(tl.where(by_key, logits, 0.0), axis=AXIS)
+            key_count += tl.sum(by_key.to(tl.float32), axis=AXIS)
+        candidates = tl.where(left_out, float("-inf"), logits)
+        new_max = tl.maximum(row_max, tl.max(candidates, axis=AXIS))
+        shift = _finite(new_max)
+        terms = tl.exp(candidates - tl.expand_dims(shift, AXIS))
+        factor = tl.exp(row_max - shift)
+        if HAS_POS or KEY_RULE != _KEYS_POSITIVE:
+            # Before the exclusion, as _softmax reads it; exactly one tile holds it: the sum adds zeros.
+            exact += tl.sum(tl.where(at_positive, logits, 0.0), axis=AXIS)
+            terms = tl.where(at_positive, 0.0, terms)
+            rest = rest * factor + tl.sum(terms, axis=AXIS)
+        else:
+            at_max = (candidates == tl.expand_dims(new_max, AXIS)) & tl.expand_dims(new_max > float("-inf"), AXIS)
+            grew = new_max > row_max  # the maxima counted so far move into the sum, scaled
+            terms = tl.where(at_max, 0.0, terms)
+            rest = rest * factor + tl.where(grew, exact * factor, 0.0) + tl.sum(terms, axis=AXIS)
+            exact = tl.where(grew, 0.0, exact) + tl.sum(at_max.to(tl.float32), axis=AXIS)
+        return new_max, rest, exact, key_sum, key_count
+
+    @triton.jit
     def _stats(p_ptr, stride_r, stride_c, rows, row_ok, begin, end, scale, bias, pos, excl, row_keys, ck_ptr, keyed,
                HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, KEY_RULE: tl.constexpr, BC: tl.constexpr):
         """Online over columns ``[begin, end)``: the maximum, Σ exp(l − max), the exact part and the positives.
@@ -164,36 +224,14 @@ if triton is not None:
         ``exact`` counts the candidates equal to the maximum (each term exactly 1), left out of the
         sum. ``key_sum``, ``key_count``: the positives by key's logits and number (KEY_RULE 1).
         """
-        row_max = tl.full(rows.shape, float("-inf"), tl.float32)
-        rest = tl.zeros(rows.shape, tl.float32)
-        exact = tl.zeros(rows.shape, tl.float32)
-        key_sum = tl.zeros(rows.shape, tl.float32)
-        key_count = tl.zeros(rows.shape, tl.float32)
+        row_max, rest, exact, key_sum, key_count = _empty_stats(rows)
         for start in range(begin, end, BC):
             _, _, logits, at_positive, by_key, left_out = _tile(
                 p_ptr, stride_r, stride_c, rows, row_ok, start, end, scale, bias, pos, excl, row_keys, ck_ptr, keyed,
                 HAS_BIAS, KEY_RULE, BC,
             )
-            if KEY_RULE == _KEYS_POSITIVE:  # before the exclusion, as _softmax reads them
-                key_sum += tl.sum(tl.where(by_key, logits, 0.0), axis=1)
-                key_count += tl.sum(by_key.to(tl.float32), axis=1)
-            candidates = tl.where(left_out, float("-inf"), logits)
-            new_max = tl.maximum(row_max, tl.max(candidates, axis=1))
-            shift = _finite(new_max)
-            terms = tl.exp(candidates - shift[:, None])
-            factor = tl.exp(row_max - shift)
-            if HAS_POS or KEY_RULE != _KEYS_POSITIVE:
-                # Before the exclusion, as _softmax reads it; exactly one tile holds it: the sum adds zeros.
-                exact += tl.sum(tl.where(at_positive, logits, 0.0), axis=1)
-                terms = tl.where(at_positive, 0.0, terms)
-                rest = rest * factor + tl.sum(terms, axis=1)
-            else:
-                at_max = (candidates == new_max[:, None]) & (new_max > float("-inf"))[:, None]
-                grew = new_max > row_max  # the maxima counted so far move into the sum, scaled
-                terms = tl.where(at_max, 0.0, terms)
-                rest = rest * factor + tl.where(grew, exact * factor, 0.0) + tl.sum(terms, axis=1)
-                exact = tl.where(grew, 0.0, exact) + tl.sum(at_max.to(tl.float32), axis=1)
-            row_max = new_max
+            row_max, rest, exact, key_sum, key_count = _stats_step(
+                row_max, rest, exact, key_sum, key_count, logits, at_positive, by_key, left_out, HAS_POS, KEY_RULE, 1)
         return row_max, rest, exact, key_sum, key_count
 
     @triton.jit
@@ -220,6 +258,15 @@ if triton is not None:
         tl.store(state_ptr + rows * 5 + 4, pos_count, mask=row_ok)
 
     @triton.jit
+    def _load_state(state_ptr, rows, row_ok):
+        """What a gradient reads of the rows' final state: ``(max, rest, exact, pos_count)``."""
+        row_max = tl.load(state_ptr + rows * 5, mask=row_ok, other=0.0)
+        rest = tl.load(state_ptr + rows * 5 + 1, mask=row_ok, other=0.0)
+        exact = tl.load(state_ptr + rows * 5 + 2, mask=row_ok, other=0.0)
+        pos_count = tl.load(state_ptr + rows * 5 + 4, mask=row_ok, other=0.0)
+        return row_max, rest, exact, pos_count
+
+    @triton.jit
     def _row_weights(w_ptr, rows, row_ok, pos_count, HAS_W: tl.constexpr):
         """``live``: the row's weight (1 unweighted), 0 for a row without positive (no loss, no gradient)."""
         weights = tl.full(rows.shape, 1.0, tl.float32)
@@ -229,29 +276,27 @@ if triton is not None:
 
     @triton.jit
     def _softmax_grad_tile(logits, at_positive, by_key, left_out, row_max, rest, exact, pos_count, live,
-                           KEY_RULE: tl.constexpr):
-        """``live · (p − t)`` of one tile, as in gradient_.
+                           KEY_RULE: tl.constexpr, AXIS: tl.constexpr):
+        """``live · (p − t)`` of one tile, as in gradient_, for the side whose statistics run along ``AXIS``.
 
         A positive column's entry is −live (rest + (exact − own)) / Σ, without cancellation; positives by
-        key (KEY_RULE 1) take ``live · p − live / count`` each.
+        key (KEY_RULE 1) take ``live · p − live / count`` each. AXIS 1: the rows' gradient; AXIS 0: the
+        columns' (their state per column, see :func:`_stats_step`).
         """
-        numerators = tl.exp(tl.where(left_out, float("-inf"), logits) - _finite(row_max)[:, None])
+        numerators = tl.exp(tl.where(left_out, float("-inf"), logits) - tl.expand_dims(_finite(row_max), AXIS))
         total = tl.maximum(rest + exact, _TINY)
         # The rows' statistics take IEEE divisions (div_rn), as the eager chain's: once per row, not per logit.
-        softmax_weight = tl.math.div_rn(live, total)
+        softmax_weight = tl.expand_dims(tl.math.div_rn(live, total), AXIS)
         if KEY_RULE == _KEYS_POSITIVE:
-            per_positive = tl.math.div_rn(live, tl.maximum(pos_count, 1.0))
-            return numerators * softmax_weight[:, None] - tl.where(by_key, per_positive[:, None], 0.0)
+            per_positive = tl.expand_dims(tl.math.div_rn(live, tl.maximum(pos_count, 1.0)), AXIS)
+            return numerators * softmax_weight - tl.where(by_key, per_positive, 0.0)
         else:
             # The positive's own numerator from this tile: only the tile holding it writes its entry.
-            own = tl.sum(tl.where(at_positive, numerators, 0.0), axis=1)
+            own = tl.sum(tl.where(at_positive, numerators, 0.0), axis=AXIS)
             entry = tl.math.div_rn(-live * (rest + (exact - own)), total)
-            return tl.where(at_positive, entry[:, None], numerators * softmax_weight[:, None])
+            return tl.where(at_positive, tl.expand_dims(entry, AXIS), numerators * softmax_weight)
 
     @triton.jit
-    def _store_grad(g_ptr, stride_r, stride_c, rows, cols, row_ok, col_ok, grad, ACCUMULATE: tl.constexpr):
+    def _store_grad(g_ptr, stride_r, stride_c, rows, cols, row_ok, col_ok, grad):
         offsets = rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c
-        mask = row_ok[:, None] & col_ok[None, :]
-        if ACCUMULATE:
-            grad += tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        tl.store(g_ptr + offsets, grad.to(g_ptr.dtype.element_ty), mask=mask)
+        tl.store(g_ptr + offsets, grad.to(g_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])

@@ -131,54 +131,22 @@ def states_of(epilogue: Epilogue, visit: Visit, grads: Grads | None, kept: list[
     With ``grads`` (the rows' states are final after it, no column side), ``G`` and its products too;
     ``kept``: the visit is kept for pass 2.
     """
-    columns = visit.columns
     product = epilogue.product(visit.queries, visit.keys)
-    column_values = column_partial = None
-    if columns is not None:
-        column_values = epilogue.transposed(product, columns.state.shape[0])
-        column_partial = epilogue.state(column_values, columns.indices)
     if grads is not None:
         partial, logit_grad, sums = epilogue.state_and_gradient(product, visit.rows.indices, visit.rows.weights)
         accumulate(logit_grad, visit, grads, sums)
         return partial, None
-    partial = epilogue.state(product, visit.rows.indices)
+    partial, column_partial, keep = epilogue.states(product, visit.rows.indices, visit.columns)
     if kept is not None:
-        kept.append(Kept(product, partial, column_values, column_partial))
+        kept.append(keep)
     return partial, column_partial
 
 
 def gradients_of(epilogue: Epilogue, visit: Visit, grads: Grads, kept: Kept | None) -> None:
-    """Pass 2 of a visit: ``G`` from the final states (the rows', then the column side's added), and its products.
-
-    Where ``G`` needs a buffer of its own beside the product (:meth:`Epilogue.slice_rows`), it is formed and
-    used a slice of the visit's rows at a time, in one buffer's worth of memory.
-    """
+    """Pass 2 of a visit: ``G`` from the final states (the rows', the column side's added), and its products."""
     product = kept.product if kept is not None else epilogue.product(visit.queries, visit.keys)
-    columns = visit.columns
-    column_values = None if columns is None else (kept.column_values if kept is not None and kept.column_values
-                                                  is not None else epilogue.transposed(product, len(columns.state)))
-    rows = visit.queries.shape[0]
-    step = epilogue.slice_rows(rows, product.shape[1], keep=columns is not None)
-    for start in range(0, rows, step):
-        part = visit if step >= rows else _rows_of(visit, start, start + step)
-        values = product if step >= rows else product[start : start + step]
-        logit_grad, sums = epilogue.gradient(values, part.rows.indices, part.rows.state, part.rows.weights,
-                                             None if kept is None else kept.partial, keep=columns is not None)
-        if part.columns is not None and column_values is not None:
-            own = column_values if step >= rows else column_values[:, start : start + step]
-            epilogue.add_column_gradient(logit_grad, own, part.columns.indices, part.columns.state,
-                                         part.columns.weights, None if kept is None else kept.column_partial)
-        accumulate(logit_grad, part, grads, sums)
-
-
-def _rows_of(visit: Visit, start: int, stop: int) -> Visit:
-    """The visit of its rows ``start:stop`` alone, against the same columns."""
-    rows, columns = visit.rows, visit.columns
-    weights = rows.weights[start:stop] if isinstance(rows.weights, Tensor) else rows.weights
-    row_side = Side(rows.indices.rows(start, stop), rows.state[start:stop], weights)
-    column_side = None if columns is None else columns._replace(indices=columns.indices.columns(start, stop))
-    query_grad = None if visit.query_grad is None else visit.query_grad[start:stop]
-    return Visit(visit.queries[start:stop], visit.keys, row_side, column_side, query_grad, visit.key_grad)
+    logit_grad, sums = epilogue.gradients(product, visit.rows, visit.columns, kept)
+    accumulate(logit_grad, visit, grads, sums)
 
 
 class Grads(NamedTuple):
