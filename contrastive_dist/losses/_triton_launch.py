@@ -45,10 +45,12 @@ _TILES: dict[str, tuple[Tile, ...]] = {
     "state": (Tile(1, 2048, 4),),
     "grad": (Tile(8, 256, 8),),
     "block": (Tile(8, 256, 8), Tile(2, 1024, 4), Tile(1, 2048, 4)),
-    # Not yet swept on a GPU: the rows' and columns' state of one read reduce along both directions of a
-    # square tile; the gradient of both owns whole rows, as `block` does, and takes its tiles.
+    # Not yet swept on a GPU. The rows' and the columns' state from one read reduce along both directions
+    # of a tile: a square one, whose 64 rows make each column's partial state (20 bytes, written and merged)
+    # 0.6 bytes a logit. The gradient of both owns whole rows (written in place) and reads each tile's
+    # columns' states (20 bytes a column, from the cache): 8 rows keep that to 2.5 bytes a logit.
     "pairs": (Tile(64, 64, 4),),
-    "pair_grad": (Tile(8, 256, 8), Tile(2, 1024, 4), Tile(1, 2048, 4)),
+    "pair_grad": (Tile(8, 256, 8),),
 }
 KERNELS = tuple(_TILES)
 # A direction seen transposed (P.T: a symmetric loss's columns, which take the state and gradient
