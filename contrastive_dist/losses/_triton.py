@@ -51,7 +51,7 @@ sigmoid_block      P (4), G (2 bf16 / 4 fp32)                  6 / 8 (4 alone)  
 softmax_state      P (4)                                       4                1 (+1 merge when split)
 softmax_grad       P (4), G (2 / 4)                            6 / 8            1
 softmax_block      P twice (8), G (2 / 4)                      10 / 12          1
-softmax_pairs      P (4), partial column states (see traffic)  4 (+ ~0.6)       1 (+1 or 2 merges)
+softmax_pairs      P (4), partial column states (see traffic)  4 (+ ~0.6)       1 (+1 merge)
 softmax_pair_grad  P (4), G (2 / 4)                            6 / 8            1
 =================  ==========================================  ===============  ==========================
 
@@ -309,16 +309,15 @@ def softmax_pairs(
             **targets, HAS_CPOS=column_positive is not None, HAS_CEXCL=column_excluded is not None,
             ROWS_SINGLE=splits == 1, COLUMNS_SINGLE=row_programs == 1, BR=tile_rows, BC=tile_columns, num_warps=warps,
         )  # fmt: skip
-        if splits > 1 and rows:
-            kernels.finish_kernel[(math.ceil(rows / tile_rows),)](
-                row_out, splits, positive, excluded, positive_shift, state, rows, columns, HAS_POS=targets["HAS_POS"],
-                HAS_EXCL=targets["HAS_EXCL"], KEY_RULE=targets["KEY_RULE"], BR=tile_rows,
-            )  # fmt: skip
-        if row_programs > 1 and width:
-            kernels.finish_kernel[(math.ceil(width / tile_columns),)](
-                column_out, row_programs, column_positive, column_excluded, column_shift, column_state, width, rows,
-                HAS_POS=column_positive is not None, HAS_EXCL=column_excluded is not None,
-                KEY_RULE=targets["KEY_RULE"], BR=tile_columns,
+        # The rows' spans and the columns' programs of rows merged in one launch (a state already final: none).
+        row_blocks = math.ceil(rows / tile_rows) if splits > 1 else 0
+        column_blocks = math.ceil(width / tile_rows) if row_programs > 1 else 0
+        if row_blocks + column_blocks:
+            kernels.pair_finish_kernel[(row_blocks + column_blocks,)](
+                row_out, splits, positive, excluded, positive_shift, state, rows, columns, row_blocks,
+                column_out, row_programs, column_positive, column_excluded, column_shift, column_state, width,
+                HAS_POS=targets["HAS_POS"], HAS_EXCL=targets["HAS_EXCL"], HAS_CPOS=column_positive is not None,
+                HAS_CEXCL=column_excluded is not None, KEY_RULE=targets["KEY_RULE"], BR=tile_rows,
             )  # fmt: skip
     return state, column_state
 

@@ -27,12 +27,13 @@ try:
 except ImportError:  # pragma: no cover - the eager family functions serve instead
     triton = None
 
-__all__ = ["block_kernel", "finish_kernel", "grad_kernel", "pair_grad_kernel", "pair_state_kernel", "sigmoid_kernel",
-           "state_kernel"]
+__all__ = ["block_kernel", "finish_kernel", "grad_kernel", "pair_finish_kernel", "pair_grad_kernel",
+           "pair_state_kernel", "sigmoid_kernel", "state_kernel"]
 
 block_kernel: Any = None
 finish_kernel: Any = None
 grad_kernel: Any = None
+pair_finish_kernel: Any = None
 pair_grad_kernel: Any = None
 pair_state_kernel: Any = None
 sigmoid_kernel: Any = None
@@ -131,20 +132,19 @@ if triton is not None:
             _store_state(out_ptr + tl.program_id(1) * c * 5, rows, row_ok, row_max, rest, exact, key_sum, key_count)
 
     @triton.jit
-    def finish_kernel(partial_ptr, splits, pos_ptr, excl_ptr, pos_shift, state_ptr, c, m,
-                      HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr, BR: tl.constexpr):
-        """Merge the spans' partial states (as _softmax.merged moves the smaller maxima's terms) and finish."""
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    def _merge(partial_ptr, splits, pos_ptr, excl_ptr, pos_shift, state_ptr, rows, c, m, HAS_POS: tl.constexpr,
+               HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr):
+        """Merge ``rows``' partial states ``(splits, c, 5)``, finish them and store them in ``(c, 5)``.
+
+        As _softmax.merged, the smaller maxima's terms move into the sum, scaled.
+        """
         row_ok = rows < c
         pos, excl = _row_targets(pos_ptr, excl_ptr, pos_shift, rows, row_ok, m, HAS_POS, HAS_EXCL)
         row_max = tl.full(rows.shape, float("-inf"), tl.float32)
         for split in range(0, splits):
             row_max = tl.maximum(row_max, tl.load(partial_ptr + (split * c + rows) * 5, mask=row_ok, other=0.0))
         shift = _finite(row_max)
-        rest = tl.zeros(rows.shape, tl.float32)
-        exact = tl.zeros(rows.shape, tl.float32)
-        key_sum = tl.zeros(rows.shape, tl.float32)
-        key_count = tl.zeros(rows.shape, tl.float32)
+        _, rest, exact, key_sum, key_count = _empty_stats(rows)
         for split in range(0, splits):
             slot = (split * c + rows) * 5
             part_max = tl.load(partial_ptr + slot, mask=row_ok, other=0.0)
@@ -162,6 +162,32 @@ if triton is not None:
         row_max, rest, exact, key_sum, key_count = _finish(row_max, rest, exact, key_sum, key_count, pos, excl,
                                                            HAS_POS, KEY_RULE)
         _store_state(state_ptr, rows, row_ok, row_max, rest, exact, key_sum, key_count)
+
+    @triton.jit
+    def finish_kernel(partial_ptr, splits, pos_ptr, excl_ptr, pos_shift, state_ptr, c, m,
+                      HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr, BR: tl.constexpr):
+        """Merge the spans' partial states and finish them, ``BR`` rows a program."""
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        _merge(partial_ptr, splits, pos_ptr, excl_ptr, pos_shift, state_ptr, rows, c, m, HAS_POS, HAS_EXCL, KEY_RULE)
+
+    @triton.jit
+    def pair_finish_kernel(partial_ptr, splits, pos_ptr, excl_ptr, pos_shift, state_ptr, c, m, row_blocks,
+                           cpartial_ptr, row_programs, cpos_ptr, cexcl_ptr, cpos_shift, cstate_ptr, width,
+                           HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, HAS_CPOS: tl.constexpr,
+                           HAS_CEXCL: tl.constexpr, KEY_RULE: tl.constexpr, BR: tl.constexpr):
+        """:func:`pair_state_kernel`'s merges in one launch.
+
+        Its first ``row_blocks`` programs merge the rows' spans, the others the columns' programs of rows.
+        """
+        block = tl.program_id(0)
+        if block < row_blocks:
+            rows = block * BR + tl.arange(0, BR)
+            _merge(partial_ptr, splits, pos_ptr, excl_ptr, pos_shift, state_ptr, rows, c, m, HAS_POS, HAS_EXCL,
+                   KEY_RULE)
+        else:
+            cols = (block - row_blocks) * BR + tl.arange(0, BR)
+            _merge(cpartial_ptr, row_programs, cpos_ptr, cexcl_ptr, cpos_shift, cstate_ptr, cols, width, c, HAS_CPOS,
+                   HAS_CEXCL, KEY_RULE)
 
     @triton.jit
     def grad_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, state_ptr, pos_ptr, excl_ptr, pos_shift, rk_ptr,
