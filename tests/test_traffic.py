@@ -5,7 +5,8 @@ engine; then each loss's block epilogue (everything but the matrix products), wi
 fake CUDA tensors (half products: the route a GPU takes), against the targets below. The counts are
 a property of the code, not of a machine: exact and the same on every run.
 
-``python tests/test_traffic.py`` prints the counts of every loss, call and dtype as a Markdown table.
+``python tests/test_traffic.py`` prints the counts of every loss, call and dtype as a Markdown table, then the
+peak memory of SigLIP and InfoNCE at a GPU's sizes.
 """
 
 from __future__ import annotations
@@ -75,11 +76,11 @@ def loss_call(loss: str, chunk: int | None, reduction: str = "mean", ids: bool =
 
 
 def loss_inputs(
-    loss: str, rows: int, dtype: torch.dtype, device: str = "cuda", ids: bool = False
+    loss: str, rows: int, dtype: torch.dtype, device: str = "cuda", ids: bool = False, dim: int = DIM
 ) -> Callable[[], list[Tensor]]:
     """A maker of the loss's inputs: features (two views), SigLIP's learnable scale and bias, SupCon's labels.
 
-    ``ids``: the samples' ids last, one sample in 50 sharing its neighbour's.
+    ``ids``: the samples' ids last, one sample in 50 sharing its neighbour's; ``dim``: the features' dimension.
     """
 
     def features(*shape: int) -> Tensor:
@@ -87,8 +88,8 @@ def loss_inputs(
 
     def make() -> list[Tensor]:
         if loss == "supcon":
-            return [features(rows, 2, DIM).requires_grad_(), torch.arange(rows, device=device) // 4]
-        pair = [features(rows, DIM).requires_grad_(), features(rows, DIM).requires_grad_()]
+            return [features(rows, 2, dim).requires_grad_(), torch.arange(rows, device=device) // 4]
+        pair = [features(rows, dim).requires_grad_(), features(rows, dim).requires_grad_()]
         if loss == "siglip":
             pair += [torch.tensor(10.0, device=device, requires_grad=True),
                      torch.tensor(-10.0, device=device, requires_grad=True)]  # fmt: skip
@@ -278,5 +279,46 @@ def table(dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16)) -> st
     return "\n".join(lines)
 
 
+PEAK_ROWS, PEAK_DIM = 65536, 768
+"""The sizes of the peak's table: a GPU's default run (B = 65,536, D = 768)."""
+INFONCE_PEAK_BYTES_PER_LOGIT = 7
+"""Symmetric InfoNCE's default call at those sizes, bfloat16: at most this many bytes held above the inputs per
+logit of its chunk (5.51 today: the float32 product 4, both features' float32 gradients 1.5)."""
+
+
+def default_chunk_rows() -> int:
+    """The rows of the default call's chunk on CUDA at :data:`PEAK_ROWS` (``_transports.chunks``)."""
+    from contrastive_dist.losses._transports import chunks
+
+    with traffic.fake_cuda():
+        return chunks(PEAK_ROWS, None, PEAK_ROWS, torch.empty(1, device="cuda"))[0][1]
+
+
+def test_infonce_peak_per_logit_of_its_chunk() -> None:
+    """No bfloat16 gradient beside the product: both directions' ``G`` is written over the product's own bytes."""
+    held = traffic.peak(loss_call("info_nce", None), loss_inputs("info_nce", PEAK_ROWS, torch.bfloat16, dim=PEAK_DIM))
+    assert held / (default_chunk_rows() * PEAK_ROWS) <= INFONCE_PEAK_BYTES_PER_LOGIT
+
+
+def peaks(losses: Sequence[str] = ("siglip", "info_nce"), chunk_sizes: Sequence[int | None] = (None, 1024)) -> str:
+    """The most bytes each loss holds above its inputs, bfloat16 on fake CUDA tensors, as a Markdown table.
+
+    Per logit of one chunk (the rows formed at once against every column): the default call's chunk on
+    CUDA (:func:`default_chunk_rows`), or ``chunk_size``.
+    """
+    default = default_chunk_rows()
+    lines = [f"B = {PEAK_ROWS}, D = {PEAK_DIM}, bfloat16, fake CUDA tensors, forward + backward\n",
+             "| loss | call | chunk rows | peak above the inputs (MiB) | bytes per logit of a chunk |",
+             "|---|---|---:|---:|---:|"]
+    for loss, chunk in itertools.product(losses, chunk_sizes):
+        held = traffic.peak(loss_call(loss, chunk), loss_inputs(loss, PEAK_ROWS, torch.bfloat16, dim=PEAK_DIM))
+        rows = chunk or default
+        call = "default" if chunk is None else f"chunk_size={chunk}"
+        lines.append(f"| {loss} | {call} | {rows} | {held / 2**20:,.0f} | {held / (rows * PEAK_ROWS):.2f} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     print(table())
+    print()
+    print(peaks())
