@@ -120,15 +120,28 @@ class Ring:
 
 
 class _TracedPending:
-    """Under ``torch.compile``: the received blocks, copied into their buffers on :meth:`wait`."""
+    """Under ``torch.compile``: the received blocks, copied into their buffers on :meth:`wait`, and the sends waited.
 
-    def __init__(self, received: list[tuple[Tensor, Tensor]]) -> None:
-        self._received = received
+    Each send is waited once, on the tensor sent, as eager mode waits it before its buffer is reused. The
+    compiled graph's memory planning reuses a buffer after its last use, and a send's last use would
+    otherwise be the point-to-point op itself: a later kernel could then overwrite a block that gloo has
+    not yet sent. The wait is a use of the sent tensor, so its memory stays untouched until the send is
+    done. It is waited on the tensor, never on the op's empty placeholder for the send: the same gloo send
+    is registered on both, every wait on a tensor waits what is registered on its memory, and a gloo send
+    waited twice never completes.
+    """
+
+    def __init__(self, received: list[tuple[Tensor, Tensor]], sent: list[Tensor]) -> None:
+        self._received, self._sent = received, sent
 
     def wait(self) -> None:
+        import torch.distributed._functional_collectives as funcol
+
         for buffer, block in self._received:
             buffer.copy_(block)
-        self._received = []
+        for tensor in self._sent:
+            funcol.wait_tensor(tensor)
+        self._received, self._sent = [], []
 
 
 def _order_traced_hops() -> None:
@@ -172,21 +185,32 @@ def _traced_shift(ring: Ring, outgoing: Sequence[Tensor], incoming: Sequence[Ten
     import torch.distributed._functional_collectives as funcol
 
     previous, following = ring.neighbours()
+    # A block is received into a fresh buffer, then copied into the caller's on wait: the op's schema does
+    # not say that it writes its receive buffers, so the compiler may merge two identical ones (two
+    # accumulators initialised alike) into one, or reuse the memory of one that a later step still reads,
+    # while the message is being written into it. A fresh ``empty`` is never merged with another.
+    # A block to send is first passed through a wait, which finds no transfer of its own to wait for: it
+    # makes the compiler materialise the block as one buffer, which the op then sends and ``wait`` waits.
+    # A block not yet materialised (an accumulator fused into the kernel computing it) would otherwise be
+    # copied into a buffer of the op's own, and ``wait`` would keep a second copy alive, not the buffer
+    # that gloo is sending.
     posted = [
-        (name, peer, tag, tensor)
+        (name, peer, tag, tensor, funcol.wait_tensor(tensor) if name == "isend" else torch.empty(
+            tensor.shape, dtype=tensor.dtype, device=tensor.device))
         for name, blocks, peer in (("isend", outgoing, previous), ("irecv", incoming, following))
         for tag, tensor in enumerate(blocks)
         if tensor.numel()
     ]
     if not posted:
-        return _TracedPending([])
+        return _TracedPending([], [])
     group = ring.group if ring.group is not None else dist.group.WORLD
-    names, peers, tags, tensors = (list(column) for column in zip(*posted, strict=True))
+    names, peers, tags, buffers, tensors = (list(column) for column in zip(*posted, strict=True))
     results = funcol.batch_p2p_ops_inplace(names, peers, tags, tensors, group.group_name)  # type: ignore[union-attr]
-    # A receive's result is already waited on under tracing; sends complete with the graph.
-    received = [(tensor, result) for name, tensor, result in zip(names, tensors, results, strict=True)
+    # A receive's result is already waited on under tracing; the sends are waited in ``wait``.
+    received = [(buffer, result) for name, buffer, result in zip(names, buffers, results, strict=True)
                 if name == "irecv"]
-    return _TracedPending(received)
+    sent = [tensor for name, tensor in zip(names, tensors, strict=True) if name == "isend"]
+    return _TracedPending(received, sent)
 
 
 def circulate(
