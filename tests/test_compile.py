@@ -106,8 +106,8 @@ GROUPS = {
         ("clip::none:ring", 2, (1, 3), "float64", "inductor"),
     ],
 }
-"""Cases in groups of a few compilations each (a failure names its group): every group takes 6–30 s on
-an idle machine, 113 s for all of them."""
+"""Cases in groups of a few compilations each (a failure names its group): every group takes 6–37 s on
+an idle machine (inductor's the most, its first compilation), about 150 s for all of them."""
 GROUP_SECONDS = 2400
 """How long a group's ranks may take, in seconds of the clock. The checks run beside the suite at a smaller
 CPU share (``tests/background.py``): beside a busy suite a group of ten chunked cases once took 250 s of
