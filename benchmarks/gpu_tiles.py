@@ -30,6 +30,7 @@ if not torch.cuda.is_available():  # before Triton is imported: its kernels then
 
 from contrastive_dist.losses import _triton_kernels as kernels  # noqa: E402
 from contrastive_dist.losses import _triton_launch as launch  # noqa: E402
+from contrastive_dist.losses import _triton_pairs as pairs  # noqa: E402
 
 TILES = [launch.Tile(*tile) for tile in ((8, 256, 4), (8, 256, 8), (16, 256, 8), (4, 256, 4), (4, 512, 4),
                                          (8, 512, 8), (16, 128, 4), (32, 128, 8), (2, 1024, 4), (1, 2048, 4),
@@ -95,11 +96,11 @@ def main(argv: Sequence[str] | None = None) -> str:
                 product, *product.stride(), scale, None, positive, excluded, 0, None, None, 0, None, row_stats, grad,
                 *grad.stride(), c, m, **softmax, HAS_W=False, **shape),
             # A symmetric loss's both directions: the columns' positives are the rows' (a square block).
-            "pairs": lambda: kernels.pair_state_kernel[rows_grid](
+            "pairs": lambda: pairs.pair_state_kernel[rows_grid](
                 product, *product.stride(), scale, None, positive, excluded, 0, positive, None, 0, None, None, 0,
                 row_stats if splits == 1 else partial, column_partial(tile), c, m, min(c, m), span, **softmax,
                 HAS_CPOS=True, HAS_CEXCL=False, ROWS_SINGLE=splits == 1, COLUMNS_SINGLE=row_programs == 1, **shape),
-            "pair_grad": lambda: kernels.pair_grad_kernel[rows_grid[:1]](
+            "pair_grad": lambda: pairs.pair_grad_kernel[rows_grid[:1]](
                 product, *product.stride(), scale, None, state, positive, excluded, 0, state, positive, None, 0, None,
                 None, 0, None, None, grad, *grad.stride(), c, m, min(c, m), **softmax, HAS_CPOS=True, HAS_CEXCL=False,
                 HAS_W=False, HAS_CW=False, **shape),

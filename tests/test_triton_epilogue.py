@@ -578,6 +578,7 @@ def test_kernels_compile_for_cuda(inputs: str) -> None:
     from triton.compiler import ASTSource, compile
 
     from contrastive_dist.losses import _triton_kernels as kernels
+    from contrastive_dist.losses import _triton_pairs as pairs
 
     if kernels.triton is None or not Path(kernels.triton.__file__).parent.joinpath("backends", "nvidia").exists():
         pytest.skip("Triton without its NVIDIA backend")
@@ -588,8 +589,8 @@ def test_kernels_compile_for_cuda(inputs: str) -> None:
              "KEY_RULE": key_rule}  # fmt: skip
     tile = {"BR": 8, "BC": 256} if every_input else {"BR": 1, "BC": 2048}  # the widest and the narrowest
     for kernel in (kernels.sigmoid_kernel, kernels.state_kernel, kernels.finish_kernel, kernels.grad_kernel,
-                   kernels.block_kernel, kernels.pair_state_kernel, kernels.pair_finish_kernel,
-                   kernels.pair_grad_kernel):  # fmt: skip
+                   kernels.block_kernel, pairs.pair_state_kernel, pairs.pair_finish_kernel,
+                   pairs.pair_grad_kernel):  # fmt: skip
         signature: dict[str, str] = {}
         constants: dict[str, object] = {}
         for name in kernel.arg_names:

@@ -64,7 +64,6 @@ and warps come from :func:`._triton_launch.tile`.
 
 import math
 import os
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -72,6 +71,8 @@ from torch import Tensor
 from contrastive_dist.losses import _triton_kernels as kernels
 from contrastive_dist.losses import _triton_launch as launch
 from contrastive_dist.losses._epilogue import EPILOGUE_VARIABLE
+from contrastive_dist.losses._triton_pairs import softmax_pair_grad, softmax_pairs
+from contrastive_dist.losses._triton_traffic import traffic
 
 __all__ = [
     "EPILOGUE_VARIABLE",
@@ -268,172 +269,3 @@ def softmax_block(
 def _(product, scale, bias, positive, excluded, weights, grad, row_keys=None, column_keys=None,  # type: ignore[no-untyped-def]
       keys_positive=False, positive_shift=0):
     return product.new_empty((product.shape[0], 5))
-
-
-@torch.library.custom_op("contrastive_dist::softmax_pairs", mutates_args=())
-def softmax_pairs(
-    product: Tensor, scale: Tensor, bias: Tensor | None, positive: Tensor | None, excluded: Tensor | None,
-    column_positive: Tensor | None, column_excluded: Tensor | None, width: int, splits: int = 0,
-    row_keys: Tensor | None = None, column_keys: Tensor | None = None, keys_positive: bool = False,
-    positive_shift: int = 0, column_shift: int = 0,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """The rows' softmax state and the first ``width`` columns' (seen as rows), from one read of the product.
-
-    Equal to ``softmax_state`` of ``product`` and of ``product[:, :width].T``, whose targets the column
-    arguments are: ``column_positive`` and ``column_excluded`` ``(width,)`` each column's positive and
-    excluded row (less ``column_shift``), the same keys swapped (the columns' own ``column_keys[:width]``
-    against ``row_keys``).
-
-    Shape:
-        product: ``(c, m)``; scale, bias: ``()``; positive, excluded, row_keys: ``(c,)``; column_positive,
-        column_excluded: ``(width,)``, ``width ≤ m``; column_keys: ``(k,)``, ``width ≤ k`` with keys;
-        outputs: ``(c, 5)``, ``(width, 5)``.
-    """
-    _check_pairs(product, scale, bias, {"positive": positive, "excluded": excluded},
-                 {"positive": column_positive, "excluded": column_excluded}, width, row_keys, column_keys,
-                 positive_shift, column_shift)  # fmt: skip
-    rows, columns = product.shape
-    program = launch.tile(product, "pairs")
-    tile_rows, tile_columns, warps = program
-    splits, span = launch.span(product, splits, program)
-    row_programs = max(1, math.ceil(rows / tile_rows))  # one without rows still gives the columns their state
-    state, column_state = product.new_empty((rows, 5)), product.new_empty((width, 5))
-    targets = launch.flags(bias, positive, excluded, row_keys, column_keys, keys_positive)
-    with launch.on(product):
-        row_out = state if splits == 1 else product.new_empty((splits, rows, 5))
-        column_out = column_state if row_programs == 1 else product.new_empty((row_programs, width, 5))
-        kernels.pair_state_kernel[(row_programs, splits)](
-            product, *product.stride(), scale, bias, positive, excluded, positive_shift,
-            column_positive, column_excluded, column_shift, *launch.keys(row_keys, column_keys),
-            row_out, column_out, rows, columns, width, span,
-            **targets, HAS_CPOS=column_positive is not None, HAS_CEXCL=column_excluded is not None,
-            ROWS_SINGLE=splits == 1, COLUMNS_SINGLE=row_programs == 1, BR=tile_rows, BC=tile_columns, num_warps=warps,
-        )  # fmt: skip
-        # The rows' spans and the columns' programs of rows merged in one launch (a state already final: none).
-        row_blocks = math.ceil(rows / tile_rows) if splits > 1 else 0
-        column_blocks = math.ceil(width / tile_rows) if row_programs > 1 else 0
-        if row_blocks + column_blocks:
-            kernels.pair_finish_kernel[(row_blocks + column_blocks,)](
-                row_out, splits, positive, excluded, positive_shift, state, rows, columns, row_blocks,
-                column_out, row_programs, column_positive, column_excluded, column_shift, column_state, width,
-                HAS_POS=targets["HAS_POS"], HAS_EXCL=targets["HAS_EXCL"], HAS_CPOS=column_positive is not None,
-                HAS_CEXCL=column_excluded is not None, KEY_RULE=targets["KEY_RULE"], BR=tile_rows,
-            )  # fmt: skip
-    return state, column_state
-
-
-@softmax_pairs.register_fake
-def _(product, scale, bias, positive, excluded, column_positive, column_excluded, width, splits=0,  # type: ignore[no-untyped-def]
-      row_keys=None, column_keys=None, keys_positive=False, positive_shift=0, column_shift=0):
-    return product.new_empty((product.shape[0], 5)), product.new_empty((width, 5))
-
-
-@torch.library.custom_op("contrastive_dist::softmax_pair_grad", mutates_args=("grad",))
-def softmax_pair_grad(
-    product: Tensor, scale: Tensor, bias: Tensor | None, state: Tensor, positive: Tensor | None,
-    excluded: Tensor | None, weights: Tensor | None, column_state: Tensor, column_positive: Tensor | None,
-    column_excluded: Tensor | None, column_weights: Tensor | None, grad: Tensor, row_keys: Tensor | None = None,
-    column_keys: Tensor | None = None, keys_positive: bool = False, positive_shift: int = 0, column_shift: int = 0,
-) -> None:  # fmt: skip
-    """``grad`` ← the rows' softmax gradient plus, on the first ``width`` columns, the columns' (transposed).
-
-    Equal to ``softmax_grad`` of the rows, then of ``product[:, :width].T`` from the columns' final state
-    ``column_state`` ``(width, 5)`` added onto ``grad[:, :width].T``: one read of the product, one write of
-    ``grad``. Each program owns whole rows and reads each tile before writing it: ``grad`` may be
-    ``product`` itself (float32), or its rows' first halves (bfloat16, strides ``(2m, 1)``).
-
-    Shape:
-        product, grad: ``(c, m)``; state: ``(c, 5)``; positive, excluded, weights, row_keys: ``(c,)``;
-        column_state: ``(width, 5)``; column_positive, column_excluded, column_weights: ``(width,)``.
-    """
-    width = column_state.shape[0]
-    _check_pairs(product, scale, bias, {"positive": positive, "excluded": excluded, "weights": weights,
-                                        "state": state, "grad": grad},
-                 {"positive": column_positive, "excluded": column_excluded, "weights": column_weights,
-                  "state": column_state}, width, row_keys, column_keys, positive_shift, column_shift)  # fmt: skip
-    rows, columns = product.shape
-    tile_rows, tile_columns, warps = launch.tile(product, "pair_grad")
-    if not (rows and columns):
-        return
-    with launch.on(product):
-        kernels.pair_grad_kernel[(math.ceil(rows / tile_rows),)](
-            product, *product.stride(), scale, bias, state, positive, excluded, positive_shift,
-            column_state, column_positive, column_excluded, column_shift, *launch.keys(row_keys, column_keys),
-            weights, column_weights, grad, *grad.stride(), rows, columns, width,
-            **launch.flags(bias, positive, excluded, row_keys, column_keys, keys_positive),
-            HAS_CPOS=column_positive is not None, HAS_CEXCL=column_excluded is not None, HAS_W=weights is not None,
-            HAS_CW=column_weights is not None, BR=tile_rows, BC=tile_columns, num_warps=warps,
-        )  # fmt: skip
-
-
-@softmax_pair_grad.register_fake
-def _(product, scale, bias, state, positive, excluded, weights, column_state, column_positive,  # type: ignore[no-untyped-def]
-      column_excluded, column_weights, grad, row_keys=None, column_keys=None, keys_positive=False, positive_shift=0,
-      column_shift=0):
-    return None
-
-
-def _check_pairs(
-    product: Tensor, scale: Tensor, bias: Tensor | None, rows: dict[str, Tensor | None],
-    columns: dict[str, Tensor | None], width: int, row_keys: Tensor | None, column_keys: Tensor | None,
-    positive_shift: int, column_shift: int,
-) -> None:  # fmt: skip
-    """Both sides' inputs, as the kernels read them.
-
-    The rows' against ``product``, the columns' against its first ``width`` columns seen as rows (their keys
-    the columns' first ``width``).
-    """
-    if not 0 <= width <= product.shape[1]:
-        raise ValueError(f"width must be between 0 and the block's {product.shape[1]} columns, got {width}")
-    launch.check(product, scale, bias, rows, row_keys, column_keys, positive_shift)
-    own_keys = None if column_keys is None else column_keys[:width]
-    if own_keys is not None and own_keys.shape[0] < width:
-        raise TypeError(f"column_keys must hold a key for each of the {width} columns with a side, got "
-                        f"{column_keys.shape[0]}")  # type: ignore[union-attr]
-    launch.check(product[:, :width].T, scale, bias, columns, own_keys, row_keys, column_shift)
-
-
-_PASSES = {"sigmoid_block": 1, "softmax_state": 1, "softmax_grad": 1, "softmax_block": 2, "softmax_pairs": 1,
-           "softmax_pair_grad": 1}  # fmt: skip
-"""How many times each op reads the product (softmax_block: the state's pass, then the gradient's)."""
-_STATE_WRITTEN = {"sigmoid_block": 8, "softmax_state": 20, "softmax_grad": 0, "softmax_block": 20, "softmax_pairs": 20,
-                  "softmax_pair_grad": 0}  # fmt: skip
-"""Bytes per row each op writes besides G: the row sums (two float32) or the state (five)."""
-_SIDE_INPUTS = ("positive", "excluded", "weights", "state", "row_keys", "column_keys", "column_positive",
-                "column_excluded", "column_weights", "column_state")  # fmt: skip
-"""The per-row and per-column inputs, each read once (a few bytes a row: they stay in cache across programs)."""
-
-
-def traffic(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> int:
-    """The bytes one call of an epilogue op moves through memory, from its arguments' shapes.
-
-    For a dispatch-mode counter: ``op`` is the op (or its name) as the mode sees it, ``args`` and
-    ``kwargs`` its arguments (meta or fake tensors do); the table of the module docstring, plus the
-    per-row reads and writes (and the columns' keys). Column spans' partial sums (``O(c)``) are left out;
-    ``softmax_pairs``' partial column states (20 bytes a column for each program of rows but one,
-    written and read again) are counted.
-
-    Example:
-        >>> import torch
-        >>> product, grad = torch.empty(256, 4096, device="meta"), torch.empty(256, 4096, device="meta").bfloat16()
-        >>> traffic("softmax_block", (product, torch.empty(()), None, None, None, None, grad)) / product.numel()
-        10.0048828125
-    """
-    name = (op if isinstance(op, str) else op._schema.name).split("::")[-1]
-    schema = getattr(torch.ops.contrastive_dist, name).default._schema
-    bound = {argument.name: argument.default_value for argument in schema.arguments}
-    bound.update(zip((argument.name for argument in schema.arguments), args))
-    bound.update(kwargs or {})
-    product, grad = bound["product"], bound.get("grad")
-    rows = product.shape[0]
-    moved = _PASSES[name] * product.numel() * product.element_size() + _STATE_WRITTEN[name] * rows
-    if grad is not None:
-        moved += grad.numel() * grad.element_size()
-    for side_input in _SIDE_INPUTS:
-        if bound.get(side_input) is not None:
-            moved += bound[side_input].numel() * bound[side_input].element_size()
-    if name == "softmax_pairs":
-        row_programs = max(1, math.ceil(rows / launch.tile(product, "pairs").rows))
-        partial = 0 if row_programs == 1 else 2 * row_programs * bound["width"] * 20
-        moved += 20 * bound["width"] + partial
-    return int(moved)

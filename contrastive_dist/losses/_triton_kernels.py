@@ -27,15 +27,11 @@ try:
 except ImportError:  # pragma: no cover - the eager family functions serve instead
     triton = None
 
-__all__ = ["block_kernel", "finish_kernel", "grad_kernel", "pair_finish_kernel", "pair_grad_kernel",
-           "pair_state_kernel", "sigmoid_kernel", "state_kernel"]
+__all__ = ["block_kernel", "finish_kernel", "grad_kernel", "sigmoid_kernel", "state_kernel"]
 
 block_kernel: Any = None
 finish_kernel: Any = None
 grad_kernel: Any = None
-pair_finish_kernel: Any = None
-pair_grad_kernel: Any = None
-pair_state_kernel: Any = None
 sigmoid_kernel: Any = None
 state_kernel: Any = None
 
@@ -171,25 +167,6 @@ if triton is not None:
         _merge(partial_ptr, splits, pos_ptr, excl_ptr, pos_shift, state_ptr, rows, c, m, HAS_POS, HAS_EXCL, KEY_RULE)
 
     @triton.jit
-    def pair_finish_kernel(partial_ptr, splits, pos_ptr, excl_ptr, pos_shift, state_ptr, c, m, row_blocks,
-                           cpartial_ptr, row_programs, cpos_ptr, cexcl_ptr, cpos_shift, cstate_ptr, width,
-                           HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, HAS_CPOS: tl.constexpr,
-                           HAS_CEXCL: tl.constexpr, KEY_RULE: tl.constexpr, BR: tl.constexpr):
-        """:func:`pair_state_kernel`'s merges in one launch.
-
-        Its first ``row_blocks`` programs merge the rows' spans, the others the columns' programs of rows.
-        """
-        block = tl.program_id(0)
-        if block < row_blocks:
-            rows = block * BR + tl.arange(0, BR)
-            _merge(partial_ptr, splits, pos_ptr, excl_ptr, pos_shift, state_ptr, rows, c, m, HAS_POS, HAS_EXCL,
-                   KEY_RULE)
-        else:
-            cols = (block - row_blocks) * BR + tl.arange(0, BR)
-            _merge(cpartial_ptr, row_programs, cpos_ptr, cexcl_ptr, cpos_shift, cstate_ptr, cols, width, c, HAS_CPOS,
-                   HAS_CEXCL, KEY_RULE)
-
-    @triton.jit
     def grad_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, state_ptr, pos_ptr, excl_ptr, pos_shift, rk_ptr,
                     ck_ptr, keyed, w_ptr, g_ptr, g_stride_r, g_stride_c, c, m,
                     HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr, KEY_RULE: tl.constexpr,
@@ -230,102 +207,4 @@ if triton is not None:
             )
             grad = _softmax_grad_tile(logits, at_positive, by_key, left_out, row_max, rest, exact, pos_count, live,
                                       KEY_RULE, 1)
-            _store_grad(g_ptr, g_stride_r, g_stride_c, rows, cols, row_ok, col_ok, grad)
-
-    @triton.jit
-    def _pair_tile(p_ptr, stride_r, stride_c, rows, row_ok, start, end, width, scale, bias, pos, excl, row_keys,
-                   ck_ptr, keyed, cpos_ptr, cexcl_ptr, cpos_shift, c, HAS_BIAS: tl.constexpr, HAS_CPOS: tl.constexpr,
-                   HAS_CEXCL: tl.constexpr, KEY_RULE: tl.constexpr, BC: tl.constexpr):
-        """The tile of columns ``[start, start + BC)`` read once, with both sides' targets, all ``(BR, BC)``.
-
-        Returns ``(cols, col_ok, side_ok, logits, row targets ×3, column targets ×3)``: the rows' as
-        :func:`_tile` gives them; the column side's (``side_ok``: one of the block's first ``width``
-        columns) with rows and columns swapped: its positive and excluded rows (less ``cpos_shift``), the
-        tile's rows past the block outside, the same keys.
-        """
-        cols = start + tl.arange(0, BC)
-        col_ok = cols < end
-        side_ok = col_ok & (cols < width)
-        logits = _logits(p_ptr, rows, cols, stride_r, stride_c, row_ok, col_ok, scale, bias, HAS_BIAS)
-        same = _same_keys(row_keys, ck_ptr, cols, col_ok, keyed, KEY_RULE)
-        at_positive, by_key, left_out = _side_targets(cols[None, :] == pos[:, None], cols[None, :] == excl[:, None],
-                                                      ~col_ok[None, :], same, KEY_RULE)
-        cpos, cexcl = _row_targets(cpos_ptr, cexcl_ptr, cpos_shift, cols, side_ok, c, HAS_CPOS, HAS_CEXCL)
-        c_at, c_key, c_left = _side_targets(rows[:, None] == cpos[None, :], rows[:, None] == cexcl[None, :],
-                                            ~row_ok[:, None] | ~side_ok[None, :], same, KEY_RULE)
-        return cols, col_ok, side_ok, logits, at_positive, by_key, left_out, c_at, c_key, c_left
-
-    @triton.jit
-    def pair_state_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, pos_ptr, excl_ptr, pos_shift,
-                          cpos_ptr, cexcl_ptr, cpos_shift, rk_ptr, ck_ptr, keyed, row_out_ptr, column_out_ptr,
-                          c, m, width, span,
-                          HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr,
-                          HAS_CPOS: tl.constexpr, HAS_CEXCL: tl.constexpr, KEY_RULE: tl.constexpr,
-                          ROWS_SINGLE: tl.constexpr, COLUMNS_SINGLE: tl.constexpr, BR: tl.constexpr,
-                          BC: tl.constexpr):
-        """The rows' softmax state and the first ``width`` columns' from one read of each tile.
-
-        Each program reads its rows' span of columns once: the rows' five numbers run along the span (final
-        ``(c, 5)`` when ROWS_SINGLE, else partial ``(splits, c, 5)``), each tile's columns take the
-        program's rows (final ``(width, 5)`` when COLUMNS_SINGLE, one program of rows, else partial
-        ``(row programs, width, 5)``); :func:`finish_kernel` merges partials.
-        """
-        rows, row_ok, scale, bias, pos, excl, row_keys = _program_rows(
-            scale_ptr, bias_ptr, pos_ptr, excl_ptr, pos_shift, rk_ptr, c, m, BR, HAS_BIAS, HAS_POS, HAS_EXCL, KEY_RULE)
-        begin = tl.program_id(1) * span
-        end = tl.minimum(begin + span, m)
-        row_max, rest, exact, key_sum, key_count = _empty_stats(rows)
-        for start in range(begin, end, BC):
-            cols, col_ok, side_ok, logits, at_positive, by_key, left_out, c_at, c_key, c_left = _pair_tile(
-                p_ptr, stride_r, stride_c, rows, row_ok, start, end, width, scale, bias, pos, excl, row_keys, ck_ptr,
-                keyed, cpos_ptr, cexcl_ptr, cpos_shift, c, HAS_BIAS, HAS_CPOS, HAS_CEXCL, KEY_RULE, BC,
-            )
-            row_max, rest, exact, key_sum, key_count = _stats_step(
-                row_max, rest, exact, key_sum, key_count, logits, at_positive, by_key, left_out, HAS_POS, KEY_RULE, 1)
-            c_max, c_rest, c_exact, c_sum, c_count = _empty_stats(cols)
-            c_max, c_rest, c_exact, c_sum, c_count = _stats_step(
-                c_max, c_rest, c_exact, c_sum, c_count, logits, c_at, c_key, c_left, HAS_CPOS, KEY_RULE, 0)
-            if COLUMNS_SINGLE:
-                cpos, cexcl = _row_targets(cpos_ptr, cexcl_ptr, cpos_shift, cols, side_ok, c, HAS_CPOS, HAS_CEXCL)
-                c_max, c_rest, c_exact, c_sum, c_count = _finish(c_max, c_rest, c_exact, c_sum, c_count, cpos, cexcl,
-                                                                 HAS_CPOS, KEY_RULE)
-                _store_state(column_out_ptr, cols, side_ok, c_max, c_rest, c_exact, c_sum, c_count)
-            else:
-                _store_state(column_out_ptr + tl.program_id(0) * width * 5, cols, side_ok, c_max, c_rest, c_exact,
-                             c_sum, c_count)
-        if ROWS_SINGLE:
-            row_max, rest, exact, key_sum, key_count = _finish(row_max, rest, exact, key_sum, key_count, pos, excl,
-                                                               HAS_POS, KEY_RULE)
-            _store_state(row_out_ptr, rows, row_ok, row_max, rest, exact, key_sum, key_count)
-        else:
-            _store_state(row_out_ptr + tl.program_id(1) * c * 5, rows, row_ok, row_max, rest, exact, key_sum,
-                         key_count)
-
-    @triton.jit
-    def pair_grad_kernel(p_ptr, stride_r, stride_c, scale_ptr, bias_ptr, state_ptr, pos_ptr, excl_ptr, pos_shift,
-                         cstate_ptr, cpos_ptr, cexcl_ptr, cpos_shift, rk_ptr, ck_ptr, keyed, w_ptr, cw_ptr,
-                         g_ptr, g_stride_r, g_stride_c, c, m, width,
-                         HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, HAS_EXCL: tl.constexpr,
-                         HAS_CPOS: tl.constexpr, HAS_CEXCL: tl.constexpr, KEY_RULE: tl.constexpr,
-                         HAS_W: tl.constexpr, HAS_CW: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-        """Whole rows, their columns in order: each tile's rows' gradient plus its columns', written once.
-
-        A program reads each tile before it writes its gradient, and only its own rows: ``G`` may be written
-        over the product (float32), or into the first half of each of its rows' bytes (bfloat16).
-        """
-        rows, row_ok, scale, bias, pos, excl, row_keys = _program_rows(
-            scale_ptr, bias_ptr, pos_ptr, excl_ptr, pos_shift, rk_ptr, c, m, BR, HAS_BIAS, HAS_POS, HAS_EXCL, KEY_RULE)
-        row_max, rest, exact, pos_count = _load_state(state_ptr, rows, row_ok)
-        live = _row_weights(w_ptr, rows, row_ok, pos_count, HAS_W)
-        for start in range(0, m, BC):
-            cols, col_ok, side_ok, logits, at_positive, by_key, left_out, c_at, c_key, c_left = _pair_tile(
-                p_ptr, stride_r, stride_c, rows, row_ok, start, m, width, scale, bias, pos, excl, row_keys, ck_ptr,
-                keyed, cpos_ptr, cexcl_ptr, cpos_shift, c, HAS_BIAS, HAS_CPOS, HAS_CEXCL, KEY_RULE, BC,
-            )
-            grad = _softmax_grad_tile(logits, at_positive, by_key, left_out, row_max, rest, exact, pos_count, live,
-                                      KEY_RULE, 1)
-            c_max, c_rest, c_exact, c_count = _load_state(cstate_ptr, cols, side_ok)
-            c_live = _row_weights(cw_ptr, cols, side_ok, c_count, HAS_CW)
-            grad += _softmax_grad_tile(logits, c_at, c_key, c_left, c_max, c_rest, c_exact, c_count, c_live,
-                                       KEY_RULE, 0)
             _store_grad(g_ptr, g_stride_r, g_stride_c, rows, cols, row_ok, col_ok, grad)

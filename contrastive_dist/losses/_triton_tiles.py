@@ -20,32 +20,11 @@ except ImportError:  # pragma: no cover - the eager family functions serve inste
     triton = None
 
 __all__ = [
-    "_NO_KEYS",
-    "_KEYS_POSITIVE",
-    "_KEYS_MASKED",
-    "_NO_CANDIDATE",
-    "_TINY",
-    "_log1p",
-    "_row_targets",
-    "_logits",
-    "_scalars",
-    "_row_keys",
-    "_same_keys",
-    "_side_targets",
-    "_tile_targets",
-    "_program_rows",
-    "_tile",
-    "_finite",
-    "_empty_stats",
-    "_stats_step",
-    "_stats",
-    "_finish",
-    "_store_state",
-    "_load_state",
-    "_row_weights",
-    "_softmax_grad_tile",
-    "_store_grad",
-]
+    "_NO_KEYS", "_KEYS_POSITIVE", "_KEYS_MASKED", "_NO_CANDIDATE", "_TINY", "_log1p", "_row_targets", "_logits",
+    "_scalars", "_row_keys", "_same_keys", "_side_targets", "_tile_targets", "_program_rows", "_tile", "_finite",
+    "_empty_stats", "_stats_step", "_stats", "_finish", "_store_state", "_load_state", "_row_weights",
+    "_softmax_grad_tile", "_store_grad"
+]  # fmt: skip
 
 if triton is not None:
     _NO_KEYS, _KEYS_POSITIVE, _KEYS_MASKED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # KEY_RULE
