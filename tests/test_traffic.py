@@ -284,6 +284,8 @@ PEAK_ROWS, PEAK_DIM = 65536, 768
 INFONCE_PEAK_BYTES_PER_LOGIT = 7
 """Symmetric InfoNCE's default call at those sizes, bfloat16: at most this many bytes held above the inputs per
 logit of its chunk (5.51 today: the float32 product 4, both features' float32 gradients 1.5)."""
+STATE_BYTES_PER_ROW = 64
+"""Besides the product and the gradients: the rows' and the columns' states and sums, per row (56 today)."""
 
 
 def default_chunk_rows() -> int:
@@ -298,6 +300,20 @@ def test_infonce_peak_per_logit_of_its_chunk() -> None:
     """No bfloat16 gradient beside the product: both directions' ``G`` is written over the product's own bytes."""
     held = traffic.peak(loss_call("info_nce", None), loss_inputs("info_nce", PEAK_ROWS, torch.bfloat16, dim=PEAK_DIM))
     assert held / (default_chunk_rows() * PEAK_ROWS) <= INFONCE_PEAK_BYTES_PER_LOGIT
+
+
+@pytest.mark.parametrize("loss", ["siglip", "info_nce"])
+def test_a_chunked_peak_is_its_product_and_the_gradients_accumulators(loss: str) -> None:
+    """With small chunks, nothing the size of the features in float32 beside the two gradients' accumulators.
+
+    The allowance: one chunk's float32 product, the queries' and keys' float32 gradients, and
+    :data:`STATE_BYTES_PER_ROW` (the rows' and columns' states and sums). The scale's gradient and the
+    backward's cast once held two more float32 copies of the features (SigLIP 769 MiB here, 642 since).
+    """
+    rows, chunk = PEAK_ROWS, 1024
+    held = traffic.peak(loss_call(loss, chunk), loss_inputs(loss, rows, torch.bfloat16, dim=PEAK_DIM))
+    allowance = 4 * chunk * rows + 2 * 4 * rows * PEAK_DIM + STATE_BYTES_PER_ROW * rows
+    assert held <= allowance, f"{held / 2**20:,.0f} MiB held, {allowance / 2**20:,.0f} allowed"
 
 
 def peaks(losses: Sequence[str] = ("siglip", "info_nce"), chunk_sizes: Sequence[int | None] = (None, 1024)) -> str:
