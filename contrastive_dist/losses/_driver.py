@@ -34,7 +34,7 @@ from contrastive_dist.losses._epilogue import Eager, epilogue_for
 from contrastive_dist.losses._families import Family
 from contrastive_dist.losses._targets import RowTargets
 from contrastive_dist.losses._transports import BLOCK_LOGITS, LOCAL, Columns, OneBlock, chunks
-from contrastive_dist.losses._visit import Grads, Kept, block_visits, gradients_of, states_of
+from contrastive_dist.losses._visit import Grads, Kept, block_visits, gradients_of, inner, states_of
 
 __all__ = ["Problem", "per_row", "weighted_sum"]
 
@@ -105,11 +105,9 @@ class _Formed(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx: Any, grad_total: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        saved = zip(ctx.saved_tensors, ctx.dtypes, strict=True)  # the total's gradients, formed in forward
-        # Scaled and cast in one launch: no core-dtype copy beside the accumulators (SigLIP, chunk_size=1024:
-        # 96 MiB of a bfloat16 call's peak at B = 65,536).
+        # The total's gradients, formed in forward, each scaled and cast in one launch (no float32 copy beside them).
         return (*(None if grad is None else torch.mul(grad, grad_total, out=grad.new_empty(grad.shape, dtype=dtype))
-                  for grad, dtype in saved), None, None, None)  # fmt: skip
+                  for grad, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True)), None, None, None)  # fmt: skip
 
 
 class _Recomputed(torch.autograd.Function):
@@ -194,7 +192,7 @@ class _Run:
             grads.bias.add_((grads.sums[0] if len(grads.sums) == 1 else torch.cat(grads.sums)).sum())
         query_grad, scale_grad = grads.query, self.tile_scale
         if query_grad is not None and grads.want_scale:
-            scale_grad = _inner(self.queries, query_grad)  # Σ Q ⊙ (Σ G K), before the scale
+            scale_grad = inner(self.queries, query_grad)  # Σ Q ⊙ (Σ G K), before the scale
         query_grad = query_grad.mul_(self.scale) if query_grad is not None and grads.want_query else None
         if key_grad is not None and grads.want_key:
             key_grad = key_grad.mul_(self.scale)[: self.keys.shape[0]]  # (the columns held here take none)
@@ -279,24 +277,6 @@ class _Run:
 
     def _block_rows(self) -> list[tuple[int, ...]]:
         return [self.columns.counts] + ([self.columns.key_counts] if self.columns.keys is not None else [])
-
-
-INNER_ELEMENTS = 1 << 22
-"""Elements of the features multiplied at once in :func:`_inner` (16 MiB of float32 products)."""
-
-
-def _inner(features: Tensor, grad: Tensor) -> Tensor:
-    """``Σ features ⊙ grad`` in ``grad``'s dtype (the core's), a bounded block of rows at a time.
-
-    Whole, the product is a copy of the features in the core's dtype beside the gradients' accumulators:
-    the largest tensor of a chunked bfloat16 call's end (SigLIP, ``chunk_size=1024``, B = 65,536: 192 MiB).
-
-    Shape:
-        features: ``(n, D)``, of ``grad``'s dtype or a narrower one; grad: ``(n, D)``; output: ``()``.
-    """
-    rows = max(1, INNER_ELEMENTS // max(1, features.shape[1]))
-    parts = [(g * f).sum() for f, g in zip(features.split(rows), grad.split(rows), strict=True)]
-    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
 
 
 def _keeps(run: _Run, in_forward: bool) -> bool:

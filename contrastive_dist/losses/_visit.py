@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from contrastive_dist.losses._epilogue import Epilogue
 
 __all__ = ["Grads", "Kept", "Side", "Visit", "accumulate", "add_product_", "block_visits", "gradients_of", "half",
-           "product", "states_of"]  # fmt: skip
+           "inner", "product", "states_of"]  # fmt: skip
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -193,6 +193,24 @@ def accumulate(logit_grad: Tensor, visit: Visit, grads: Grads, row_sums: Tensor 
             add_product_(accumulator, first, second)
         else:
             accumulator.add_(product(first, second).mul_(unscale))
+
+
+INNER_ELEMENTS = 1 << 22
+"""Elements of the features multiplied at once in :func:`inner` (16 MiB of float32 products)."""
+
+
+def inner(features: Tensor, grad: Tensor) -> Tensor:
+    """``Σ features ⊙ grad`` in ``grad``'s dtype (the core's), a bounded block of rows at a time.
+
+    Whole, the product is a copy of the features in the core's dtype beside the gradients' accumulators:
+    the largest tensor of a chunked bfloat16 call's end (SigLIP, ``chunk_size=1024``, B = 65,536: 192 MiB).
+
+    Shape:
+        features: ``(n, D)``, of ``grad``'s dtype or a narrower one; grad: ``(n, D)``; output: ``()``.
+    """
+    rows = max(1, INNER_ELEMENTS // max(1, features.shape[1]))
+    parts = [(g * f).sum() for f, g in zip(features.split(rows), grad.split(rows), strict=True)]
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
 
 
 def _rounded(logit_grad: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
